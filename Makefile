@@ -1,0 +1,39 @@
+# Quick start: `make demo` and `make test`. Both create .venv, install torch first (so nothing
+# pulls a second one), then zerokit with its native extensions built by its own setup.py.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.zerokit-installed
+NATIVE := $(shell find src/zerokit/csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
+DEMO_STEPS ?= 120
+
+.PHONY: install demo test test-fast bench-deps clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml setup.py $(NATIVE)
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc-per-node 2 --no-python \
+		$(BIN)/zerokit train --stage 2 --steps $(DEMO_STEPS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The `bench` extra: deepspeed's setup imports torch, so it must build against the venv's torch.
+bench-deps: $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-build-isolation deepspeed py-cpuinfo hjson ninja
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info
+	find src -name '*.so' -delete
