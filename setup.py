@@ -20,7 +20,14 @@ CSRC = os.path.join("src", "zerokit", "csrc")
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno"]
 
 # name -> (sources, extra compile flags, extra link flags)
-NATIVE_EXTENSIONS = {}
+NATIVE_EXTENSIONS = {
+    "zerokit.io._aio": (
+        [os.path.join(CSRC, "aio_bindings.cpp"), os.path.join(CSRC, "aio", "engine.cpp"),
+         os.path.join(CSRC, "aio", "crc32c.cpp")],
+        ["-pthread"],
+        ["-pthread"],
+    ),
+}
 
 
 def _extensions():

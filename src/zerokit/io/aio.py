@@ -1,0 +1,297 @@
+"""Asynchronous tensor reads and writes: one read/write pair returning handles.
+
+`AsyncIO(config).write(path, tensor)` and `.read(path, tensor)` return an `IOHandle` at once; its
+`wait()` returns the bytes moved or raises `AioError` naming the file, offset and errno text. The
+native engine (`zerokit.io._aio`, built from csrc/aio) does O_DIRECT block-parallel I/O; where it
+was not built, a pure-Python thread engine does buffered I/O with the same results (said once).
+Where a filesystem refuses O_DIRECT (some network or FUSE filesystems), files are opened buffered,
+also said once.
+
+[Note: file residue] O_DIRECT needs the memory address and the file offset aligned. The engine
+stages only the blocks that are not, through per-thread bounce buffers; a tensor whose address
+has the same residue modulo 4096 as its file offset therefore goes straight to disk except for
+its partial first and last sectors. The swapper places each tensor at file offset
+`data_ptr() % 4096` for that reason (ordinary torch tensors sit at 64 mod 4096).
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno as errno_mod
+import os
+import threading
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from zerokit.io import _fallback
+
+try:
+    from zerokit.io import _aio as _native
+except ImportError:  # the extension is optional; see setup.py
+    _native = None
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def warn_once(tag: str, message: str) -> None:
+    with _warn_lock:
+        if tag in _warned:
+            return
+        _warned.add(tag)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    """DeepSpeed's `aio` section, same keys and defaults, plus zerokit's `use_direct`."""
+
+    block_size: int = 1 << 20
+    """Bytes per I/O request; a multiple of 4096."""
+    queue_depth: int = 8
+    """Requests in flight per submitting thread."""
+    thread_count: int = 1
+    """Submitting threads; the engine runs thread_count * queue_depth I/O threads."""
+    single_submit: bool = False
+    """Accepted for DeepSpeed compatibility; each I/O thread always submits one block at a time."""
+    overlap_events: bool = True
+    """Accepted for DeepSpeed compatibility; completions are always overlapped with submission."""
+    use_direct: bool = True
+    """Open files with O_DIRECT (bypassing the page cache) where the filesystem allows it."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 4096:
+            raise ValueError(f"aio.block_size must be a positive multiple of 4096, "
+                             f"got {self.block_size}")
+        if self.queue_depth < 1:
+            raise ValueError(f"aio.queue_depth must be >= 1, got {self.queue_depth}")
+        if self.thread_count < 1:
+            raise ValueError(f"aio.thread_count must be >= 1, got {self.thread_count}")
+
+    @classmethod
+    def from_dict(cls, section: dict[str, Any] | None) -> "AioConfig":
+        section = dict(section or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(section) - names)
+        if unknown:
+            raise ValueError(f"unknown aio keys {unknown}; valid keys are {sorted(names)}")
+        return cls(**section)
+
+
+class AioError(OSError):
+    """An I/O failure, naming the file, the byte offset, the errno text and (from the swapper)
+    the key of the tensor."""
+
+    def __init__(self, err: int, what: str, path: str, *, offset: int | None = None,
+                 key: str | None = None):
+        self.path, self.offset, self.key, self.what = path, offset, key, what
+        text = os.strerror(err) if err > 0 else "I/O error"
+        where = f"{path!r}" + (f" at offset {offset}" if offset is not None else "")
+        who = f" (key {key!r})" if key is not None else ""
+        super().__init__(err if err > 0 else errno_mod.EIO, f"{what} {where}{who}: {text}")
+        self.filename = path
+
+    def with_key(self, key: str) -> "AioError":
+        return AioError(self.errno, self.what, self.path, offset=self.offset, key=key)
+
+
+class ChecksumError(AioError):
+    """A block's content does not match the checksum recorded when it was written."""
+
+
+class IOHandle:
+    """One submitted read or write. `wait()` returns the bytes moved or raises AioError; it is
+    idempotent. The handle keeps the tensor alive and closes its file when the I/O completes."""
+
+    def __init__(self, aio: "AsyncIO", write: bool, path: str, fd: int, direct: bool,
+                 tensor: torch.Tensor, offset: int, request: int, fsync: bool, size_before: int,
+                 checksums: bool, expected: list[int] | None):
+        self._aio, self.write, self.path, self._fd = aio, write, path, fd
+        self.direct, self._tensor, self.offset, self._request = direct, tensor, offset, request
+        self._fsync, self._size_before = fsync, size_before
+        self._want_checksums, self._expected = checksums, expected
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.checksums: list[int] | None = None
+        self._callbacks: list[Callable[["IOHandle", AioError | None], None]] = []
+        self._lock = threading.Lock()
+        self._result: int | AioError | None = None
+
+    def done(self) -> bool:
+        with self._lock:
+            return self._result is not None or self._aio._engine.done(self._request)
+
+    def add_done_callback(self, fn: Callable[["IOHandle", AioError | None], None]) -> None:
+        """fn(handle, error_or_None) runs once, in the thread whose wait() completes the I/O."""
+        self._callbacks.append(fn)
+
+    def wait(self) -> int:
+        with self._lock:
+            if self._result is None:
+                self._result = self._complete()
+                callbacks, self._callbacks = self._callbacks, []
+            else:
+                callbacks = []
+        err = self._result if isinstance(self._result, AioError) else None
+        for fn in callbacks:
+            fn(self, err)
+        if err is not None:
+            raise err
+        return self._result
+
+    def _complete(self) -> int | AioError:
+        err, off, got, nbytes, crcs = self._aio._engine.wait(self._request)
+        if err == errno_mod.EINVAL and self.direct:
+            # The filesystem took O_DIRECT at open but refuses it per request: redo it buffered.
+            warn_once(f"einval:{os.path.dirname(self.path)}",
+                      f"O_DIRECT I/O refused (EINVAL) under {os.path.dirname(self.path)!r}; "
+                      f"using buffered I/O there")
+            os.close(self._fd)
+            self._fd = os.open(self.path, os.O_RDWR if self.write else os.O_RDONLY)
+            self.direct = False
+            self._request = self._aio._engine.submit(
+                self.write, self._fd, False, self._tensor.data_ptr(), self.nbytes, self.offset,
+                fsync=False, want_checksums=self._want_checksums, expected=self._expected)
+            err, off, got, nbytes, crcs = self._aio._engine.wait(self._request)
+        try:
+            if err == _fallback.ERR_SHORT:
+                size = os.fstat(self._fd).st_size
+                return AioError(errno_mod.EIO, f"short file ({size} bytes; block at {off} "
+                                f"has {got} bytes) reading", self.path, offset=off)
+            if err == _fallback.ERR_CHECKSUM:
+                return ChecksumError(errno_mod.EIO, f"checksum mismatch (found {got:#010x}) "
+                                     f"reading", self.path, offset=off)
+            if err:
+                return AioError(err, "writing" if self.write else "reading", self.path,
+                                offset=off)
+            if self.write:
+                end = self.offset + self.nbytes
+                # Direct writes round the last sector up; cut back only what this write added
+                # past its end, never bytes that were in the file before.
+                if self._size_before <= end < os.fstat(self._fd).st_size:
+                    os.ftruncate(self._fd, end)
+                if self._fsync:
+                    os.fsync(self._fd)
+            self.checksums = list(crcs) if self._want_checksums else None
+            return nbytes
+        except OSError as e:
+            return AioError(e.errno or errno_mod.EIO, "finishing", self.path)
+        finally:
+            os.close(self._fd)
+            self._tensor = None
+            self._aio._forget(self)
+
+    def __del__(self):
+        # The engine may still be writing into the tensor's memory: never let it be freed first.
+        if getattr(self, "_result", 1) is None:
+            try:
+                self.wait()
+            except Exception:
+                pass
+
+
+class AsyncIO:
+    """Reads and writes whole tensors (any dtype, contiguous, on the CPU) at file offsets."""
+
+    def __init__(self, config: AioConfig | None = None, *, backend: str = "auto"):
+        self.config = config or AioConfig()
+        if backend not in ("auto", "native", "python"):
+            raise ValueError(f"backend must be 'auto', 'native' or 'python', got {backend!r}")
+        if backend == "native" and _native is None:
+            raise RuntimeError("zerokit.io._aio is not built; reinstall with a C++ compiler "
+                               "(pip install -e . --no-build-isolation) or use backend='python'")
+        if backend == "auto" and _native is None:
+            warn_once("no-native", "zerokit.io._aio (native async I/O) is not built; using "
+                      "buffered Python threads, which are slower and skip O_DIRECT")
+        use_native = _native is not None and backend != "python"
+        mod = _native if use_native else _fallback
+        c = self.config
+        self._engine = mod.Engine(c.block_size, c.queue_depth, c.thread_count, c.single_submit,
+                                  c.overlap_events)
+        self.backend = mod.BACKEND
+        self.checksum_algorithm = "crc32c" if use_native else _fallback.CHECKSUM_ALGORITHM
+        self._direct_ok = c.use_direct and use_native and hasattr(os, "O_DIRECT")
+        self._live: set[IOHandle] = set()
+        self._lock = threading.Lock()
+
+    def num_blocks(self, nbytes: int, offset: int = 0) -> int:
+        """How many checksums a request of nbytes at offset has (one per block)."""
+        return self._engine.num_blocks(nbytes, offset)
+
+    def _open(self, path: str, write: bool) -> tuple[int, bool]:
+        flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
+        if self._direct_ok:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o600), True
+            except OSError as e:
+                if e.errno != errno_mod.EINVAL:
+                    raise AioError(e.errno, "opening", path) from None
+                warn_once(f"odirect:{os.path.dirname(path)}",
+                          f"O_DIRECT refused by the filesystem of {os.path.dirname(path)!r}; "
+                          f"using buffered I/O there")
+        try:
+            return os.open(path, flags, 0o600), False
+        except OSError as e:
+            raise AioError(e.errno, "opening", path) from None
+
+    def _submit(self, write: bool, path: str, tensor: torch.Tensor, offset: int, fsync: bool,
+                checksums: bool, expected: list[int] | None) -> IOHandle:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"aio needs a contiguous CPU tensor, got device={tensor.device} "
+                             f"contiguous={tensor.is_contiguous()} for {path!r}")
+        path = os.fspath(path)
+        fd, direct = self._open(path, write)
+        try:
+            size_before = os.fstat(fd).st_size
+            nbytes = tensor.numel() * tensor.element_size()
+            req = self._engine.submit(write, fd, direct, tensor.data_ptr(), nbytes, offset,
+                                      fsync=False, want_checksums=checksums, expected=expected)
+        except BaseException:
+            os.close(fd)
+            raise
+        h = IOHandle(self, write, path, fd, direct, tensor, offset, req, fsync, size_before,
+                     checksums or expected is not None, expected)
+        with self._lock:
+            self._live.add(h)
+        return h
+
+    def write(self, path: str, tensor: torch.Tensor, offset: int = 0, *, fsync: bool = False,
+              checksums: bool = False) -> IOHandle:
+        """Writes the tensor's bytes at offset; with fsync they are durable when wait() returns.
+        Do not modify the tensor until then."""
+        return self._submit(True, path, tensor, offset, fsync, checksums, None)
+
+    def read(self, path: str, tensor: torch.Tensor, offset: int = 0, *,
+             expected_checksums: list[int] | None = None, checksums: bool = False) -> IOHandle:
+        """Fills the tensor from the file at offset; a file that ends early raises."""
+        return self._submit(False, path, tensor, offset, False, checksums, expected_checksums)
+
+    def _forget(self, h: IOHandle) -> None:
+        with self._lock:
+            self._live.discard(h)
+
+    def synchronize(self) -> None:
+        """Waits for every outstanding request; raises the first error after waiting for all."""
+        with self._lock:
+            live = list(self._live)
+        first = None
+        for h in live:
+            try:
+                h.wait()
+            except AioError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        try:
+            self.synchronize()
+        finally:
+            if hasattr(self._engine, "close"):
+                self._engine.close()
+
+    def __enter__(self) -> "AsyncIO":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,112 @@
+"""Host buffers for O_DIRECT: aligned allocation and a pool of reusable fixed-size buffers.
+
+O_DIRECT moves bytes by DMA straight between the disk and user memory, so the memory address,
+file offset and length must be multiples of the logical block size; 4096 covers every device we
+meet. A buffer whose address has the same residue modulo 4096 as the file offset it maps to is
+just as good (only its partial head and tail sectors are staged), which is why allocation takes a
+`residue`. The pool exists so that steady-state swapping allocates nothing: buffers are made once,
+pinned when a GPU is present (so host<->device copies can be asynchronous), and leased out.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+ALIGN = 4096
+
+
+def pin_default() -> bool:
+    """Pin host buffers only where a GPU can use them; pinning never becomes a requirement."""
+    return torch.cuda.is_available()
+
+
+def aligned_empty(nbytes: int, *, alignment: int = ALIGN, residue: int = 0,
+                  pin: bool = False) -> torch.Tensor:
+    """A 1-D uint8 tensor of nbytes whose address is `residue` modulo `alignment`.
+
+    The view keeps its over-allocated base alive, so it can be handed around like any tensor.
+    """
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    if not 0 <= residue < alignment:
+        raise ValueError(f"residue must be in [0, {alignment}), got {residue}")
+    base = torch.empty(nbytes + 2 * alignment, dtype=torch.uint8, pin_memory=pin)
+    start = (residue - base.data_ptr()) % alignment
+    return base[start:start + nbytes]
+
+
+def is_aligned(t: torch.Tensor, alignment: int = ALIGN) -> bool:
+    return t.data_ptr() % alignment == 0
+
+
+class BufferPool:
+    """`count` buffers of `buffer_bytes` each, allocated once and leased by acquire/release.
+
+    acquire blocks while every buffer is leased (back-pressure on prefetch rather than unbounded
+    memory); `allocations` counts the tensors ever made, so a test can assert that steady state
+    allocates nothing.
+    """
+
+    def __init__(self, buffer_bytes: int, count: int, *, alignment: int = ALIGN,
+                 pin: bool | None = None):
+        if buffer_bytes <= 0 or count <= 0:
+            raise ValueError(f"BufferPool needs buffer_bytes > 0 and count > 0, "
+                             f"got {buffer_bytes} and {count}")
+        self.buffer_bytes = buffer_bytes
+        self.alignment = alignment
+        self.pinned = pin_default() if pin is None else pin
+        # The extra `alignment` bytes let a lease start at any residue and still hold
+        # buffer_bytes.
+        self._bases = [aligned_empty(buffer_bytes + alignment, alignment=alignment,
+                                     pin=self.pinned) for _ in range(count)]
+        self.allocations = count
+        self._free = list(range(count))
+        self._by_storage = {b.untyped_storage().data_ptr(): i for i, b in enumerate(self._bases)}
+        self._cond = threading.Condition()
+
+    @property
+    def capacity(self) -> int:
+        return len(self._bases)
+
+    @property
+    def free_count(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def acquire(self, nbytes: int | None = None, *, residue: int = 0,
+                timeout: float | None = None) -> torch.Tensor:
+        nbytes = self.buffer_bytes if nbytes is None else nbytes
+        if nbytes > self.buffer_bytes:
+            raise ValueError(f"BufferPool lease of {nbytes} bytes exceeds its buffers of "
+                             f"{self.buffer_bytes} bytes")
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout=timeout):
+                raise TimeoutError(f"no free buffer in the pool of {self.capacity} after "
+                                   f"{timeout} s; release leased buffers or grow the pool")
+            base = self._bases[self._free.pop()]
+        start = (residue - base.data_ptr()) % self.alignment
+        return base[start:start + nbytes]
+
+    def release(self, buf: torch.Tensor) -> None:
+        idx = self._by_storage.get(buf.untyped_storage().data_ptr())
+        if idx is None:
+            raise ValueError("BufferPool.release: the tensor is not a buffer of this pool")
+        with self._cond:
+            if idx in self._free:
+                raise ValueError("BufferPool.release: buffer released twice")
+            self._free.append(idx)
+            self._cond.notify()
+
+    def owns(self, buf: torch.Tensor) -> bool:
+        return buf.untyped_storage().data_ptr() in self._by_storage
+
+    @contextmanager
+    def lease(self, nbytes: int | None = None, *, residue: int = 0) -> Iterator[torch.Tensor]:
+        buf = self.acquire(nbytes, residue=residue)
+        try:
+            yield buf
+        finally:
+            self.release(buf)
