@@ -1,2 +1,12 @@
-"""zerokit: ZeRO for PyTorch models you already have."""
+"""zerokit: ZeRO for PyTorch models you already have.
+
+    engine, optimizer, dataloader, lr_scheduler = zerokit.initialize(model=model, config=cfg)
+    loss = engine(x, y); engine.backward(loss); engine.step()
+"""
+from zerokit.config import ConfigError, ZeroKitConfig, load_config
+from zerokit.core.collectives import CollectiveError
+from zerokit.engine.assemble import initialize
+from zerokit.engine.engine import Engine
+
 __version__ = "0.1.0"
+__all__ = ["CollectiveError", "ConfigError", "Engine", "ZeroKitConfig", "initialize", "load_config"]

@@ -1,0 +1,37 @@
+"""Configuration: DeepSpeed-style JSON in, a validated ZeroKitConfig out."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pydantic import ValidationError
+
+from zerokit.config.compat import ConfigError, describe
+from zerokit.config.schema import ZeroKitConfig
+
+__all__ = ["ConfigError", "ZeroKitConfig", "load_config"]
+
+
+def load_config(config: "ZeroKitConfig | dict[str, Any] | str | os.PathLike | None") -> ZeroKitConfig:
+    """Accept a dict, a path to a JSON file, or a ZeroKitConfig."""
+    if isinstance(config, ZeroKitConfig):
+        return config
+    if config is None:
+        raise ConfigError("config is required: a dict, a path to a JSON file, or a ZeroKitConfig")
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"config must be a dict, a JSON path or a ZeroKitConfig (got {type(config).__name__})")
+    try:
+        return ZeroKitConfig.model_validate(config)
+    except ValidationError as e:
+        raise describe(e, ZeroKitConfig) from None

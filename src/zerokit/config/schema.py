@@ -1,0 +1,164 @@
+"""The DeepSpeed-style JSON configuration, as typed pydantic models.
+
+Key names and meanings are DeepSpeed's, so an existing config works unchanged for what zerokit
+implements. Every model forbids unknown keys (see compat.py for the message). Values that depend on
+the world size (the batch-size triple) are resolved by `ZeroKitConfig.resolve_batch`.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+OptimizerType = Literal["Adam", "AdamW", "SGD", "Adagrad", "Lion"]
+SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+
+# Hyperparameters each optimizer type accepts (torch's names; DeepSpeed passes them through).
+OPTIMIZER_PARAMS: dict[str, set[str]] = {
+    "Adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "fused"},
+    "AdamW": {"lr", "betas", "eps", "weight_decay", "amsgrad", "fused"},
+    "SGD": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
+    "Adagrad": {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"},
+    "Lion": {"lr", "betas", "weight_decay"},
+}
+
+SCHEDULER_PARAMS: dict[str, set[str]] = {
+    "WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"},
+    "WarmupDecayLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                      "total_num_steps", "last_batch_iteration"},
+    "WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                       "warmup_type", "last_batch_iteration"},
+}
+
+
+def _check_params(kind: str, type_: str, params: dict[str, Any], table: dict[str, set[str]]) -> None:
+    import difflib
+
+    allowed = table[type_]
+    for key in params:
+        if key not in allowed:
+            near = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.5)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ValueError(
+                f"unknown {kind} param '{key}' for type {type_}{hint} "
+                f"(valid: {', '.join(sorted(allowed))})"
+            )
+
+
+class OptimizerConfig(_Section):
+    type: OptimizerType = Field(description="Optimizer class, DeepSpeed's names.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Passed to the optimizer.")
+
+    @model_validator(mode="after")
+    def _known_params(self) -> "OptimizerConfig":
+        _check_params("optimizer", self.type, self.params, OPTIMIZER_PARAMS)
+        lr = self.params.get("lr", 1e-3)
+        if not isinstance(lr, (int, float)) or lr < 0:
+            raise ValueError(f"optimizer.params.lr must be a number >= 0 (got {lr!r})")
+        return self
+
+
+class SchedulerConfig(_Section):
+    type: SchedulerType
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_params(self) -> "SchedulerConfig":
+        _check_params("scheduler", self.type, self.params, SCHEDULER_PARAMS)
+        if self.type in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in self.params:
+            raise ValueError(f"scheduler type {self.type} needs params.total_num_steps")
+        return self
+
+
+class FP16Config(_Section):
+    enabled: bool = False
+    loss_scale: float = Field(0.0, ge=0, description="0 selects dynamic loss scaling.")
+    initial_scale_power: int = Field(16, ge=0, le=64)
+    loss_scale_window: int = Field(1000, ge=1)
+    hysteresis: int = Field(2, ge=1)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0)
+    auto_cast: bool = False
+
+
+class BF16Config(_Section):
+    enabled: bool = False
+
+
+class ZeroConfig(_Section):
+    stage: int = Field(0, ge=0, le=3, description="0: DDP, 1: optimizer state, 2: +gradients, 3: +weights.")
+    reduce_bucket_size: int = Field(500_000_000, gt=0, description="Elements per gradient collective.")
+    allgather_bucket_size: int = Field(500_000_000, gt=0, description="Elements per weight all-gather.")
+    overlap_comm: bool = Field(True, description="Reduce gradients while backward runs.")
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+
+
+class ZeroKitConfig(_Section):
+    train_batch_size: int | None = Field(None, gt=0)
+    train_micro_batch_size_per_gpu: int | None = Field(None, gt=0)
+    gradient_accumulation_steps: int | None = Field(None, gt=0)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = FP16Config()
+    bf16: BF16Config = BF16Config()
+    gradient_clipping: float = Field(0.0, ge=0, description="Max global gradient norm; 0 disables.")
+    zero_optimization: ZeroConfig = ZeroConfig()
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, description="dtype of gradient collectives; default fp32 for bf16, else the compute dtype.")
+    steps_per_print: int = Field(10, gt=0)
+    wall_clock_breakdown: bool = False
+    comm_timeout_s: float = Field(
+        1800.0, gt=0, description="zerokit: a collective that waits longer fails, naming the step.")
+
+    @model_validator(mode="after")
+    def _no_contradictions(self) -> "ZeroKitConfig":
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled=true and bf16.enabled=true contradict: choose one")
+        return self
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+    def resolve_batch(self, world_size: int) -> tuple[int, int, int]:
+        """(train_batch_size, micro_batch, grad_accum) by DeepSpeed's rule: any two give the third."""
+        from zerokit.config.compat import ConfigError
+
+        tbs, mbs, gas = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                         self.gradient_accumulation_steps)
+        if tbs is not None and mbs is not None and gas is not None:
+            if tbs != mbs * gas * world_size:
+                raise ConfigError(
+                    f"train_batch_size={tbs} contradicts train_micro_batch_size_per_gpu={mbs} x "
+                    f"gradient_accumulation_steps={gas} x world_size={world_size} = {mbs * gas * world_size}")
+        elif tbs is not None and mbs is not None:
+            gas, rem = divmod(tbs, mbs * world_size)
+            if rem or gas == 0:
+                raise ConfigError(
+                    f"train_batch_size={tbs} is not a multiple of train_micro_batch_size_per_gpu={mbs} "
+                    f"x world_size={world_size}")
+        elif tbs is not None and gas is not None:
+            mbs, rem = divmod(tbs, gas * world_size)
+            if rem or mbs == 0:
+                raise ConfigError(
+                    f"train_batch_size={tbs} is not a multiple of gradient_accumulation_steps={gas} "
+                    f"x world_size={world_size}")
+        elif mbs is not None:
+            gas = gas or 1
+            tbs = mbs * gas * world_size
+        elif tbs is not None:
+            gas = 1
+            mbs, rem = divmod(tbs, world_size)
+            if rem or mbs == 0:
+                raise ConfigError(f"train_batch_size={tbs} is not a multiple of world_size={world_size}")
+        else:
+            raise ConfigError(
+                "set train_batch_size or train_micro_batch_size_per_gpu "
+                "(gradient_accumulation_steps defaults to 1)")
+        return tbs, mbs, gas

@@ -1,0 +1,1 @@
+"""Core mechanism: units (flat sharded parameter groups), wrapping, collectives, hooks."""

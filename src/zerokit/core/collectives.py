@@ -1,0 +1,233 @@
+"""Process-group set-up and the collectives the units issue, with timeouts and error text.
+
+Every collective goes through `Comm`, which
+- works at world size 1 without a launcher or a process group (every call is then a no-op);
+- chooses the implementation per backend: on gloo, reduce-scatter and all-gather are done as an
+  all-reduce because gloo's ring all-reduce is 3-5x faster than its reduce_scatter/all_gather
+  (measured here: 32 MB fp32 across 2 ranks, all_reduce 30 ms, reduce_scatter 97-156 ms,
+  all_gather 88-145 ms); on NCCL the native collectives are used;
+- turns a failure (a dead peer, a timeout) into a `CollectiveError` that says which collective,
+  for which unit, and which rank stopped heart-beating, instead of a bare backend error or a hang.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+HEARTBEAT_S = 1.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the rank, the call and the unit."""
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+@dataclass
+class Handle:
+    """An in-flight collective. `wait()` runs the completion (copy-out) once, after the backend's."""
+
+    work: object | None
+    finish: Callable[[], None] | None
+    describe: Callable[[BaseException], CollectiveError]
+    done: bool = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        try:
+            if self.work is not None:
+                self.work.wait()
+        except Exception as e:  # backend errors are RuntimeError / DistBackendError subclasses
+            raise self.describe(e) from e
+        if self.finish is not None:
+            self.finish()
+        self.done = True
+
+
+@dataclass
+class Comm:
+    rank: int = 0
+    world_size: int = 1
+    backend: str = "none"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    timeout_s: float = 1800.0
+    _store: object | None = None
+    _beat_stop: threading.Event = field(default_factory=threading.Event)
+
+    # ---- set-up -------------------------------------------------------------------------------
+    @classmethod
+    def from_environment(cls, timeout_s: float) -> "Comm":
+        """Join the process group torchrun describes (or reuse one), or run alone."""
+        if not dist.is_available():
+            return cls(timeout_s=timeout_s)
+        if not dist.is_initialized():
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                return cls(timeout_s=timeout_s)  # world size 1 without a launcher
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            kwargs = {}
+            if backend == "nccl":
+                kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+            # A process group still alive at interpreter exit makes gloo abort ("terminate called
+            # without an active exception"): the group zerokit created, zerokit destroys.
+            atexit.register(_destroy_group)
+        backend = dist.get_backend()
+        if backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        comm = cls(dist.get_rank(), dist.get_world_size(), backend, device, timeout_s)
+        comm._start_heartbeat()
+        return comm
+
+    def _start_heartbeat(self) -> None:
+        """Each rank stamps the store every second, so a failure can name the rank that died."""
+        if self.world_size == 1:
+            return
+        try:
+            self._store = dist.distributed_c10d._get_default_store()
+        except Exception:
+            return
+        key = f"zerokit/heartbeat/{self.rank}"
+
+        def beat() -> None:
+            while not self._beat_stop.wait(HEARTBEAT_S):
+                try:
+                    self._store.set(key, repr(time.time()))
+                except Exception:
+                    return
+
+        self._store.set(key, repr(time.time()))
+        threading.Thread(target=beat, name="zerokit-heartbeat", daemon=True).start()
+
+    def close(self) -> None:
+        self._beat_stop.set()
+
+    def silent_ranks(self) -> list[int]:
+        """Ranks whose heartbeat is older than 3 beats (dead or stuck), as far as the store tells."""
+        if self._store is None:
+            return []
+        now, silent = time.time(), []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            try:
+                self._store.set_timeout(datetime.timedelta(seconds=2))
+                stamp = float(self._store.get(f"zerokit/heartbeat/{r}"))
+                if now - stamp > 3 * HEARTBEAT_S:
+                    silent.append(r)
+            except Exception:
+                silent.append(r)
+        return silent
+
+    # ---- errors -------------------------------------------------------------------------------
+    def _describer(self, op: str, where: str) -> Callable[[BaseException], CollectiveError]:
+        def describe(e: BaseException) -> CollectiveError:
+            silent = self.silent_ranks()
+            who = (f"rank(s) {silent} stopped responding (dead or stuck)" if silent
+                   else "no peer looks dead: ranks may have taken different code paths")
+            return CollectiveError(
+                f"rank {self.rank}/{self.world_size}: {op} for {where} failed after at most "
+                f"{self.timeout_s:.0f}s (comm_timeout_s): {who}. Backend said: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        return describe
+
+    def _run(self, op: str, where: str, call: Callable[[], object | None],
+             finish: Callable[[], None] | None, async_op: bool) -> Handle:
+        describe = self._describer(op, where)
+        try:
+            work = call()
+        except Exception as e:
+            raise describe(e) from e
+        handle = Handle(work, finish, describe)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    # ---- collectives --------------------------------------------------------------------------
+    def all_reduce_(self, t: torch.Tensor, where: str, *, average: bool = False,
+                    op: "dist.ReduceOp.RedOpType | None" = None, async_op: bool = False) -> Handle:
+        if self.world_size == 1:
+            return Handle(None, None, self._describer("all_reduce", where), done=True)
+        red = op if op is not None else dist.ReduceOp.SUM
+        finish = (lambda: t.div_(self.world_size)) if average else None
+        return self._run("all_reduce", where, lambda: dist.all_reduce(t, red, async_op=True),
+                         finish, async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, where: str, *,
+                       average: bool = True, async_op: bool = False) -> Handle:
+        """out (numel = full.numel() / world) <- this rank's slice of the sum (mean) of `full`.
+
+        On gloo `full` is reduced in place and used as scratch: callers pass a buffer they own.
+        """
+        n = out.numel()
+        if full.numel() != n * self.world_size:
+            raise ValueError(f"reduce_scatter for {where}: input has {full.numel()} elements, "
+                             f"expected {n} x world_size {self.world_size}")
+        scale = 1.0 / self.world_size if average else 1.0
+        if self.world_size == 1:
+            out.copy_(full.view_as(out))
+            return Handle(None, None, self._describer("reduce_scatter", where), done=True)
+        if self.backend == "gloo":
+            mine = full.view(self.world_size, n)[self.rank]
+
+            def finish() -> None:
+                out.copy_(mine.view_as(out)).mul_(scale) if scale != 1.0 else out.copy_(mine.view_as(out))
+            return self._run("reduce_scatter", where, lambda: dist.all_reduce(full, async_op=True),
+                             finish, async_op)
+        return self._run("reduce_scatter", where,
+                         lambda: dist.reduce_scatter_tensor(out, full, async_op=True),
+                         (lambda: out.mul_(scale)) if scale != 1.0 else None, async_op)
+
+    def all_gather(self, full: torch.Tensor, where: str, *, async_op: bool = False) -> Handle:
+        """Every rank's slice r of `full` (already filled locally) becomes visible to all ranks."""
+        if self.world_size == 1:
+            return Handle(None, None, self._describer("all_gather", where), done=True)
+        n = full.numel() // self.world_size
+        rows = full.view(self.world_size, n)
+        if self.backend == "gloo":
+            # Sum of zero-padded contributions: exact, since each element has one non-zero term.
+            for r in range(self.world_size):
+                if r != self.rank:
+                    rows[r].zero_()
+            return self._run("all_gather", where, lambda: dist.all_reduce(full, async_op=True),
+                             None, async_op)
+        return self._run("all_gather", where,
+                         lambda: dist.all_gather_into_tensor(full, rows[self.rank], async_op=True),
+                         None, async_op)
+
+    def broadcast_(self, t: torch.Tensor, src: int, where: str) -> None:
+        if self.world_size > 1:
+            self._run("broadcast", where, lambda: dist.broadcast(t, src, async_op=True), None, False)
+
+    def max_flag(self, value: float, where: str) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self.all_reduce_(t, where, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def sum_scalar(self, value: torch.Tensor, where: str) -> torch.Tensor:
+        """One all-reduce of a 1-element fp64 tensor (the squared gradient norm; inf/nan propagate)."""
+        if self.world_size > 1:
+            self.all_reduce_(value, where)
+        return value
+
+    def barrier(self, where: str) -> None:
+        if self.world_size > 1:
+            self._run("barrier", where, lambda: dist.barrier(async_op=True), None, False)

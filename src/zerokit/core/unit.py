@@ -1,0 +1,280 @@
+"""Unit: a group of parameters that are gathered, reduced and stepped together.
+
+[Note: unit layout]
+A unit's parameters are laid end to end in one flat buffer of `padded_numel` elements, padded so
+that it splits into `world_size` equal shards whose length is a multiple of ALIGN elements; rank r
+owns elements [r * shard_numel, (r + 1) * shard_numel). The users' nn.Parameters stay in place and
+become views into the flat compute buffer, so models need no refactoring and `p.shape` stays the
+logical shape. Padding elements have zero weight, zero gradient and therefore zero update.
+
+[Note: unit state per rank]
+- `flat`        compute-dtype weights, full size (stages 0-2).
+- `grad_flat`   compute-dtype full-size gradients that `p.grad` views point into; only where
+                gradients are reduced once per accumulation boundary (not sharded).
+- `master`      fp32 weights of the optimizer range: this rank's shard if the optimizer state is
+                partitioned, the whole buffer otherwise. In fp32 training it aliases `flat`.
+- `master_grad` fp32 reduced gradient of the optimizer range, the `.grad` the optimizer reads.
+- `grad_acc`    fp32 full-size sum of the micro-steps' 16-bit gradients before the boundary, where
+                gradients are reduced only there (stage < 2, 16-bit compute, accumulation > 1):
+                16-bit running sums would lose what DeepSpeed's fp32 accumulation keeps. At
+                stage 0 it is `master_grad` itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from zerokit.core.collectives import Comm, Handle
+from zerokit.policy import PartitionPolicy
+from zerokit.tiers import Ledger
+
+ALIGN = 32  # elements per shard boundary: keeps every shard 64-byte aligned for SIMD kernels
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its unit's flat buffer."""
+
+    fqn: str
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+class Unit:
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], *, trainable: bool,
+                 group_index: int, comm: Comm, policy: PartitionPolicy, compute_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, bucket_numel: int, ledger: Ledger,
+                 grad_accum_steps: int = 1):
+        if not params:
+            raise ValueError(f"unit {name!r} has no parameters")
+        self.name = name
+        self.trainable = trainable
+        self.group_index = group_index
+        self.comm = comm
+        self.policy = policy
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.bucket_numel = bucket_numel
+        self.ledger = ledger
+        self.grad_accum_steps = grad_accum_steps
+
+        slots, offset = [], 0
+        for fqn, p in params:
+            slots.append(ParamSlot(fqn, p, p.shape, offset, p.numel()))
+            offset += p.numel()
+        self.slots: list[ParamSlot] = slots
+        self.numel = offset
+        quantum = comm.world_size * ALIGN
+        self.padded_numel = -(-offset // quantum) * quantum
+        self.shard_numel = self.padded_numel // comm.world_size
+        shard_start = comm.rank * self.shard_numel
+        if policy.shard_optimizer:
+            self.opt_range = (shard_start, shard_start + self.shard_numel)
+        else:
+            self.opt_range = (0, self.padded_numel)
+        self.device = comm.device
+        self._sync_initial_values()
+        self._build_buffers()
+        self._ready: set[int] = set()
+        self._launched = False
+
+    # ---- construction -----------------------------------------------------------------------
+    def _build_buffers(self) -> None:
+        device, first = self.device, self.slots[0].param
+        master_full = None
+        # Build from the parameters' current values; fp32 values become the master exactly.
+        flat = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=device)
+        keep_fp32 = self.trainable and self.compute_dtype != torch.float32
+        if keep_fp32:
+            a, b = self.opt_range
+            master_full = torch.zeros(b - a, dtype=torch.float32, device=device)
+        for s in self.slots:
+            src = s.param.detach().reshape(-1)
+            flat[s.offset:s.offset + s.numel].copy_(src)
+            if master_full is not None:
+                lo, hi = max(s.offset, self.opt_range[0]), min(s.offset + s.numel, self.opt_range[1])
+                if lo < hi:
+                    master_full[lo - self.opt_range[0]:hi - self.opt_range[0]].copy_(
+                        src[lo - s.offset:hi - s.offset].to(device=device, dtype=torch.float32))
+        del first
+        self.flat = self.ledger.hold(f"{self.name}/weights", "weights", flat)
+        for s in self.slots:
+            s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
+            s.param.grad = None
+
+        self.grad_flat: torch.Tensor | None = None
+        self.master: torch.Tensor | None = None
+        self.master_grad: torch.Tensor | None = None
+        if not self.trainable:
+            return
+        a, b = self.opt_range
+        if master_full is None:  # fp32 training: the optimizer updates the weights in place
+            self.master = nn.Parameter(flat[a:b], requires_grad=True)
+        else:
+            self.master = nn.Parameter(self.ledger.hold(f"{self.name}/master", "master", master_full))
+        if not self.policy.shard_gradients:
+            self.grad_flat = self.ledger.hold(f"{self.name}/grads", "grads", torch.zeros_like(flat))
+            self._attach_grad_views()
+        if self.grad_flat is not None and not self.policy.shard_optimizer and \
+                self.compute_dtype == torch.float32 and self.reduce_dtype == torch.float32:
+            self.master_grad = self.grad_flat  # DDP in fp32: reduce in place, no second copy
+        else:
+            self.master_grad = self.ledger.hold(
+                f"{self.name}/master_grad", "grads", torch.zeros(b - a, dtype=torch.float32, device=device))
+        self.master.grad = self.master_grad
+        self.grad_acc: torch.Tensor | None = None
+        if self.grad_flat is not None and self.compute_dtype != torch.float32 and self.grad_accum_steps > 1:
+            self.grad_acc = self.master_grad if not self.policy.shard_optimizer else self.ledger.hold(
+                f"{self.name}/grad_acc", "grads", torch.zeros(self.padded_numel, dtype=torch.float32,
+                                                              device=device))
+
+    def _attach_grad_views(self) -> None:
+        for s in self.slots:
+            s.param.grad = self.grad_flat[s.offset:s.offset + s.numel].view(s.shape)
+
+    def _sync_initial_values(self) -> None:
+        """Every rank starts from rank 0's weights, as DDP does (seeds may differ per rank)."""
+        if self.comm.world_size == 1:
+            return
+        flat = torch.cat([s.param.detach().reshape(-1).to(self.device) for s in self.slots])
+        self.comm.broadcast_(flat, src=0, where=self.name)
+        for s in self.slots:
+            s.param.data.copy_(flat[s.offset:s.offset + s.numel].view(s.shape))
+
+    # ---- backward -----------------------------------------------------------------------------
+    def on_grad_ready(self, param: nn.Parameter, index: int, reduce_now: bool) -> Handle | None:
+        """Called from the post-accumulate-grad hook; launches the reduction once all arrived."""
+        slot = self.slots[index]
+        if self.grad_flat is not None:
+            view = self.grad_flat[slot.offset:slot.offset + slot.numel]
+            if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                # Someone reset .grad (model.zero_grad()); autograd then handed us a new tensor.
+                view.copy_(param.grad.reshape(-1)) if param.grad is not None else view.zero_()
+                param.grad = view.view(slot.shape)
+        self._ready.add(index)
+        if reduce_now and len(self._ready) == len(self.slots):
+            return self.launch_reduce()
+        return None
+
+    def launch_reduce(self) -> Handle:
+        """Reduce this unit's gradients into `master_grad` (asynchronously)."""
+        self._launched = True
+        if self.grad_flat is not None:
+            # The full gradient is scratch from here on (zeroed after the step), so reduce in place.
+            local = self.grad_flat
+            if self.grad_acc is not None:
+                local = self.grad_acc.add_(self.grad_flat)
+            full = local if local.dtype == self.reduce_dtype else local.to(self.reduce_dtype)
+        else:
+            full = torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+            for s in self.slots:
+                g = s.param.grad
+                if g is not None:
+                    full[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
+                    s.param.grad = None  # stage 2: the full-size gradient lives only in the bucket
+        return self._reduce_into_master(full)
+
+    def _reduce_into_master(self, full: torch.Tensor) -> Handle:
+        """Average `full` over ranks into master_grad, in collectives of at most bucket_numel."""
+        comm, world = self.comm, self.comm.world_size
+        owned = {t.data_ptr() for t in (self.grad_flat, self.grad_acc) if t is not None}
+        release = (lambda: None) if full.data_ptr() in owned else self.ledger.transient("buffers", full)
+        handles: list[Handle] = []
+        if not self.policy.shard_optimizer:  # all-reduce; master covers the whole buffer
+            step = max(ALIGN, self.bucket_numel)
+            for lo in range(0, self.padded_numel, step):
+                part = full[lo:lo + step]
+                handles.append(comm.all_reduce_(part, self._where(lo, step), average=True, async_op=True))
+            in_place = full.data_ptr() == self.master_grad.data_ptr()
+            after = release if in_place else (lambda: (self.master_grad.add_(full), release()))
+            return _join(handles, after)
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        chunk = max(ALIGN, -(-self.bucket_numel // (world * ALIGN)) * ALIGN)
+        rows = full.view(world, self.shard_numel)
+        for lo in range(0, self.shard_numel, chunk):
+            hi = min(lo + chunk, self.shard_numel)
+            # One bucket = the same column range of every rank's shard, so a reduce-scatter of it
+            # hands each rank its own piece.
+            bucket = rows[:, lo:hi].contiguous() if (lo, hi) != (0, self.shard_numel) else full
+            handles.append(comm.reduce_scatter(out[lo:hi], bucket.view(-1), self._where(lo, chunk),
+                                               average=True, async_op=True))
+        return _join(handles, lambda: (self.master_grad.add_(out), release()))
+
+    def _where(self, lo: int, step: int) -> str:
+        return f"unit '{self.name}'" if step >= self.padded_numel else \
+            f"unit '{self.name}' bucket {lo // step}"
+
+    def end_backward(self) -> None:
+        if not self._launched and self.grad_acc is not None:  # a micro-step before the boundary
+            self.grad_acc.add_(self.grad_flat)
+            self.grad_flat.zero_()
+        self._ready.clear()
+        self._launched = False
+
+    @property
+    def launched(self) -> bool:
+        return self._launched
+
+    # ---- step ---------------------------------------------------------------------------------
+    def grad_sq_norm(self) -> torch.Tensor:
+        return self.master_grad.double().pow(2).sum() if self.master_grad is not None else \
+            torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def publish_weights(self) -> Handle | None:
+        """After the optimizer step: new master -> compute weights -> every rank."""
+        a, b = self.opt_range
+        if self.master.data_ptr() != self.flat[a:b].data_ptr():
+            self.flat[a:b].copy_(self.master.detach())
+        if self.policy.shard_optimizer:
+            return self.comm.all_gather(self.flat, self.name, async_op=True)
+        return None
+
+    def zero_grad(self) -> None:
+        if self.master_grad is not None:
+            self.master_grad.zero_()
+        if self.grad_acc is not None:
+            self.grad_acc.zero_()
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()
+            self._attach_grad_views()
+        else:
+            for s in self.slots:
+                s.param.grad = None
+
+    def full_master(self) -> torch.Tensor:
+        """The whole unit's fp32 weights (master where there is one), gathered on every rank."""
+        if not self.trainable:
+            return self.flat.float()
+        full = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
+        a, b = self.opt_range
+        full[a:b].copy_(self.master.detach())
+        if self.policy.shard_optimizer:
+            self.comm.all_gather(full, self.name)
+        return full
+
+    def split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """fqn -> that parameter's view of a flat buffer laid out like this unit."""
+        return {s.fqn: full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots}
+
+    # ---- introspection ------------------------------------------------------------------------
+    def param_fqns(self) -> list[str]:
+        return [s.fqn for s in self.slots]
+
+    def __repr__(self) -> str:
+        return (f"Unit({self.name!r}, params={len(self.slots)}, numel={self.numel}, "
+                f"padded={self.padded_numel}, trainable={self.trainable}, group={self.group_index})")
+
+
+def _join(handles: list[Handle], after) -> Handle:
+    """One handle for several collectives, with a completion step after all of them."""
+    describe = handles[0].describe
+
+    def finish() -> None:
+        for h in handles:
+            h.wait()
+        after()
+    return Handle(None, finish, describe)

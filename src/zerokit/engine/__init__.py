@@ -1,0 +1,1 @@
+"""The training engine and what it is assembled from."""

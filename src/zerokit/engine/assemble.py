@@ -1,0 +1,88 @@
+"""From (model, optimizer choice, config) to a ready Engine: the steps of `zerokit.initialize`."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+from zerokit.config import load_config
+from zerokit.core.collectives import Comm
+from zerokit.core.unit import Unit
+from zerokit.core.wrap import group_parameters, select_modules
+from zerokit.engine.engine import Engine
+from zerokit.engine.optimizer import build_optimizer, recipe_from
+from zerokit.engine.precision import compute_dtype, reduce_dtype
+from zerokit.engine.schedulers import build_scheduler
+from zerokit.policy import PartitionPolicy
+from zerokit.tiers import Ledger
+
+
+def initialize(model: nn.Module, optimizer: Any = None,
+               model_parameters: Iterable[Any] | None = None, config: Any = None,
+               lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
+               wrap: Any = None, config_params: Any = None):
+    """DeepSpeed's initialize: returns (engine, optimizer, dataloader, lr_scheduler).
+
+    wrap: module classes (or a predicate (name, module) -> bool) that become units; by default
+    every block of the model's nn.ModuleLists.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (got {type(model).__name__})")
+    cfg = load_config(config if config is not None else config_params)
+    comm = Comm.from_environment(cfg.comm_timeout_s)
+    batch = cfg.resolve_batch(comm.world_size)
+    policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
+    if policy.shard_weights:
+        raise NotImplementedError("ZeRO stage 3 (partitioned parameters) is not implemented yet; "
+                                  "use zero_optimization.stage 0, 1 or 2")
+    recipe = recipe_from(model, optimizer, model_parameters, cfg.optimizer)
+
+    dtype = compute_dtype(cfg)
+    if comm.device.type != "cpu":
+        model.to(comm.device)
+    for buf in model.buffers():  # as DeepSpeed's module.half()/bfloat16(): float buffers follow
+        if buf.is_floating_point():
+            buf.data = buf.data.to(dtype)
+    ledger = Ledger()
+    units = [
+        Unit(name, params, trainable=trainable, group_index=group, comm=comm, policy=policy,
+             compute_dtype=dtype, reduce_dtype=reduce_dtype(cfg),
+             bucket_numel=cfg.zero_optimization.reduce_bucket_size, ledger=ledger,
+             grad_accum_steps=batch[2])
+        for name, group, trainable, params in group_parameters(
+            model, select_modules(model, wrap), recipe.group_of)
+    ]
+    masters = [[u.master for u in units if u.trainable and u.group_index == g]
+               for g in range(len(recipe.hyper))]
+    torch_optimizer = build_optimizer(recipe, masters)
+    scheduler = _scheduler(cfg, lr_scheduler, torch_optimizer, optimizer)
+    engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch)
+    dataloader = _dataloader(training_data, batch[1], comm, collate_fn)
+    return engine, torch_optimizer, dataloader, scheduler
+
+
+def _scheduler(cfg, lr_scheduler: Any, torch_optimizer: torch.optim.Optimizer, user_optimizer: Any):
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ValueError(f"an lr_scheduler was passed to initialize() and the config has a "
+                         f"'scheduler' section (type {cfg.scheduler.type}): keep one of them")
+    if cfg.scheduler is not None:
+        return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), torch_optimizer)
+    if lr_scheduler is None:
+        return None
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return lr_scheduler(torch_optimizer)  # a factory, as DeepSpeed accepts
+    # A scheduler built on the user's optimizer: point it at the one that steps the shards.
+    if getattr(lr_scheduler, "optimizer", None) is user_optimizer:
+        lr_scheduler.optimizer = torch_optimizer
+    return lr_scheduler
+
+
+def _dataloader(training_data: Any, micro_batch: int, comm: Comm, collate_fn: Any):
+    if training_data is None:
+        return None
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(training_data, num_replicas=comm.world_size, rank=comm.rank)
+    return DataLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
+                      drop_last=True)

@@ -1,0 +1,181 @@
+"""The Engine: forward, backward, step, accumulation, loss scaling and clipping.
+
+It owns no bytes: units hold the buffers, the ledger counts them, the policy decides what is
+partitioned. The whole training step reads top to bottom in `backward` and `step`.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from zerokit.config.schema import ZeroKitConfig
+from zerokit.core.collectives import Comm, Handle
+from zerokit.core.unit import Unit
+from zerokit.engine.optimizer import state_bytes
+from zerokit.engine.precision import LossScaler
+from zerokit.policy import PartitionPolicy
+from zerokit.tiers import Ledger
+
+
+class Engine(nn.Module):
+    def __init__(self, module: nn.Module, config: ZeroKitConfig, comm: Comm, policy: PartitionPolicy,
+                 units: list[Unit], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                 ledger: Ledger, batch: tuple[int, int, int]):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.policy = policy
+        self.units = units
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.ledger = ledger
+        self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = batch
+        self.loss_scaler = LossScaler.from_config(config)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.global_samples = 0
+        self._reduce_now = False
+        self._pending: deque[tuple[Handle, int]] = deque()
+        self._pending_bytes = 0
+        # Gradients of at most two buckets in flight: enough to overlap, bounded in memory.
+        self._max_pending_bytes = 2 * config.zero_optimization.reduce_bucket_size * 4
+        self._state_tier = ledger._tier(units[0].flat, None)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u, i))
+                       for u in units if u.trainable for i, s in enumerate(u.slots)
+                       for p in [s.param]]
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # ---- backward -----------------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate loss / gradient_accumulation_steps (times the fp16 loss scale)."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor (got "
+                             f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''})")
+        # Stage >= 2 reduces every micro-step (gradients never persist in full); below that,
+        # gradients accumulate locally and are reduced once, on the boundary's backward.
+        self._reduce_now = self.policy.shard_gradients or self.is_gradient_accumulation_boundary()
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        if self._reduce_now:
+            for unit in self.units:  # units some of whose parameters got no gradient this step
+                if unit.trainable and not unit.launched:
+                    self._track(unit.launch_reduce(), unit)
+            self._drain(0)
+        for unit in self.units:
+            unit.end_backward()
+        return loss
+
+    def _grad_hook(self, unit: Unit, index: int):
+        def hook(param: nn.Parameter) -> None:
+            handle = unit.on_grad_ready(param, index, self._reduce_now)
+            if handle is not None:
+                self._track(handle, unit)
+        return hook
+
+    def _track(self, handle: Handle, unit: Unit) -> None:
+        nbytes = unit.padded_numel * 4
+        self._pending.append((handle, nbytes))
+        self._pending_bytes += nbytes
+        self._drain(self._max_pending_bytes)
+
+    def _drain(self, limit: int) -> None:
+        while self._pending and self._pending_bytes > limit:
+            handle, nbytes = self._pending.popleft()
+            handle.wait()
+            self._pending_bytes -= nbytes
+
+    # ---- step ---------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Update the weights at the accumulation boundary; otherwise only count the micro-step."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.global_samples += self.micro_batch_size * self.comm.world_size
+        if not boundary:
+            return
+        trainable = [u for u in self.units if u.trainable]
+        scale = self.loss_scaler.scale
+        coef = 1.0 / scale
+        overflow = False
+        clip = self.config.gradient_clipping
+        if clip > 0 or self.loss_scaler.dynamic:
+            norm = self._global_grad_norm(trainable)  # of the scaled gradients
+            overflow = not math.isfinite(norm)
+            if clip > 0 and not overflow:
+                clip_coef = clip / (norm / scale + 1e-6)
+                if clip_coef < 1.0:
+                    coef *= clip_coef
+        if overflow and self.loss_scaler.dynamic:
+            self.skipped_steps += 1
+        else:
+            if coef != 1.0:
+                for u in trainable:
+                    u.master_grad.mul_(coef)
+            self.optimizer.step()
+            handles = [u.publish_weights() for u in trainable]
+            for h in handles:
+                if h is not None:
+                    h.wait()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.ledger.hold_bytes("optimizer", "optimizer_state", self._state_tier,
+                                   state_bytes(self.optimizer))
+        self.loss_scaler.update(overflow)
+        self.global_steps += 1
+        self.zero_grad()
+
+    def _global_grad_norm(self, units: list[Unit]) -> float:
+        """L2 norm over every shard: local sums, then one scalar all-reduce where sharded."""
+        total = torch.zeros((), dtype=torch.float64, device=self.comm.device)
+        for u in units:
+            total += u.grad_sq_norm()
+        if self.policy.shard_optimizer:
+            self.comm.sum_scalar(total.view(1), "the global gradient norm")
+        return math.sqrt(total.item()) if math.isfinite(total.item()) else math.inf
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            if u.trainable:
+                u.zero_grad()
+
+    def consolidated_fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's fp32 value by name, gathered on every rank (one unit at a time)."""
+        out: dict[str, torch.Tensor] = {}
+        for u in self.units:
+            out.update({k: v.clone() for k, v in u.split(u.full_master()).items()})
+        return out
+
+    # ---- introspection ------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float:
+        return self._global_grad_norm([u for u in self.units if u.trainable]) / self.loss_scaler.scale
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def memory_report(self, peak: bool = False) -> str:
+        return self.ledger.format(f"memory on rank {self.comm.rank} ({'peak' if peak else 'now'})", peak)
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def destroy(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self.comm.close()

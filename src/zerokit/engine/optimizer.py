@@ -1,0 +1,107 @@
+"""Building the optimizer that steps the fp32 master shards.
+
+The user's choice (a torch.optim instance, a class or factory, or the config's `optimizer`
+section) is reproduced over the units' master tensors: one param group per user param group, same
+hyperparameters, so the update of each element is what it would have been on the full model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from zerokit.config.schema import OptimizerConfig
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+@dataclass
+class OptimizerRecipe:
+    """Param groups of the user's model and how to build the same optimizer over other tensors."""
+
+    hyper: list[dict[str, Any]]  # per group, everything but "params"
+    group_of: dict[int, int]  # id(param) -> group index
+    build: OptimizerFactory
+
+
+def _normalize_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    items = list(params)
+    if not items:
+        return []
+    if isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    return [{"params": items}]
+
+
+def _config_optimizer(cfg: OptimizerConfig) -> OptimizerFactory:
+    params = dict(cfg.params)
+    kind = cfg.type
+    if kind == "Adam":
+        # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its FusedAdam default).
+        kind = "AdamW" if params.pop("adam_w_mode", True) else "Adam"
+        params.pop("torch_adam", None)
+    if kind == "Lion":
+        try:
+            from zerokit.optim import HostLion as cls  # type: ignore[attr-defined]
+        except ImportError as e:
+            raise NotImplementedError(
+                "optimizer.type 'Lion' needs zerokit.optim.HostLion (the native host optimizer), "
+                "which this build lacks") from e
+    else:
+        cls = getattr(torch.optim, kind)
+    return lambda groups: cls(groups, **params)
+
+
+def recipe_from(model: nn.Module, optimizer: Any, model_parameters: Iterable[Any] | None,
+                config_optimizer: OptimizerConfig | None) -> OptimizerRecipe:
+    if optimizer is not None and config_optimizer is not None:
+        raise ValueError(
+            f"an optimizer was passed to initialize() ({type(optimizer).__name__}) and the config "
+            f"has an 'optimizer' section (type {config_optimizer.type}): keep one of them")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = [dict(g) for g in optimizer.param_groups]
+        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        build: OptimizerFactory = lambda gs: cls(gs, **defaults)  # noqa: E731
+    else:
+        groups = _normalize_groups(model_parameters if model_parameters is not None
+                                   else model.parameters())
+        if optimizer is None:
+            if config_optimizer is None:
+                raise ValueError("no optimizer: pass optimizer= to initialize() or set the config's "
+                                 "'optimizer' section (type Adam, AdamW, SGD, Adagrad or Lion)")
+            build = _config_optimizer(config_optimizer)
+        elif callable(optimizer):
+            build = optimizer  # a torch.optim class or a factory taking param groups
+        else:
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, a class or a callable "
+                            f"(got {type(optimizer).__name__})")
+    group_of: dict[int, int] = {}
+    hyper: list[dict[str, Any]] = []
+    for i, g in enumerate(groups):
+        for p in g["params"]:
+            if id(p) in group_of:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is in param groups "
+                                 f"{group_of[id(p)]} and {i}")
+            group_of[id(p)] = i
+        hyper.append({k: v for k, v in g.items() if k != "params"})
+    return OptimizerRecipe(hyper, group_of, build)
+
+
+def build_optimizer(recipe: OptimizerRecipe, masters_by_group: list[list[torch.Tensor]]
+                    ) -> torch.optim.Optimizer:
+    groups = [dict(h, params=m) for h, m in zip(recipe.hyper, masters_by_group) if m]
+    if not groups:
+        raise ValueError("no trainable parameters: every parameter is frozen or in no param group")
+    return recipe.build(groups)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for st in optimizer.state.values()
+               for v in st.values() if torch.is_tensor(v))
+
+
+# Bytes of optimizer state per master element, for the start-up plan (before state exists).
+STATE_BYTES_PER_ELEMENT = {"Adam": 8, "AdamW": 8, "SGD": 4, "Adagrad": 4, "HostLion": 4, "Lion": 4,
+                           "HostAdam": 8, "HostAdagrad": 4}

@@ -1,0 +1,79 @@
+"""Compute dtype, loss scaling and overflow handling.
+
+Dynamic loss scaling follows DeepSpeed's DynamicLossScaler exactly: on an overflow the step is
+skipped on every rank; the scale is divided by 2 once `hysteresis` overflows have been absorbed
+(never below min_loss_scale); after `loss_scale_window` iterations without overflow it doubles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerokit.config.schema import ZeroKitConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(config: ZeroKitConfig) -> torch.dtype:
+    return DTYPES[config.compute_dtype_name]
+
+
+def reduce_dtype(config: ZeroKitConfig) -> torch.dtype:
+    if config.communication_data_type is not None:
+        return DTYPES[config.communication_data_type]
+    # bf16 has 8 mantissa bits: summing N ranks' gradients in it loses what fp32 keeps for 2x
+    # the bytes; fp16 keeps DeepSpeed's default (reduce in fp16, protected by the loss scale).
+    return torch.float16 if config.fp16.enabled else torch.float32
+
+
+@dataclass
+class LossScaler:
+    scale: float = 1.0
+    dynamic: bool = False
+    window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_scale: float = 1.0
+    factor: float = 2.0
+    cur_iter: int = 0
+    last_overflow_iter: int = -1
+    cur_hysteresis: int = 2
+
+    @classmethod
+    def from_config(cls, config: ZeroKitConfig) -> "LossScaler":
+        fp16 = config.fp16
+        if not fp16.enabled:
+            return cls()
+        if fp16.loss_scale > 0:
+            return cls(scale=float(fp16.loss_scale))
+        return cls(scale=float(2 ** fp16.initial_scale_power), dynamic=True,
+                   window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+                   consecutive_hysteresis=fp16.consecutive_hysteresis,
+                   min_scale=fp16.min_loss_scale, cur_hysteresis=fp16.hysteresis)
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                self.scale = max(self.scale / self.factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.hysteresis
+            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.hysteresis
+                self.scale *= self.factor
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for k, v in sd.items():
+            setattr(self, k, v)

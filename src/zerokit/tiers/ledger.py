@@ -1,0 +1,105 @@
+"""The byte ledger: bytes per tier and per kind on this rank, counted at every allocation.
+
+The start-up plan, the end-of-run report, the tests and (later) budgets all read these numbers, so
+they cannot disagree. Long-lived tensors are `hold`-ed under a name and `release`-d; transient
+buffers (a gradient bucket in flight) go through `transient`, which tracks the peak as well.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+TIERS = ("device", "host", "nvme")
+KINDS = ("weights", "grads", "master", "optimizer_state", "buffers")
+
+
+def tier_of(t: torch.Tensor) -> str:
+    return "device" if t.device.type != "cpu" else "host"
+
+
+class Ledger:
+    def __init__(self, cpu_is_device: bool = True):
+        # On a CPU-only run, compute memory *is* host memory; the ledger still calls it "device"
+        # so that a plan reads the same everywhere and host offload stays distinguishable.
+        self.cpu_is_device = cpu_is_device
+        self._held: dict[str, tuple[str, str, int]] = {}
+        self._current: dict[tuple[str, str], int] = defaultdict(int)
+        self._peak: dict[tuple[str, str], int] = defaultdict(int)
+        self._external: dict[str, Callable[[], int]] = {}
+
+    def _tier(self, t: torch.Tensor, tier: str | None) -> str:
+        if tier is not None:
+            if tier not in TIERS:
+                raise ValueError(f"tier {tier!r} is not one of {TIERS}")
+            return tier
+        found = tier_of(t)
+        return "device" if found == "host" and self.cpu_is_device else found
+
+    def _add(self, key: tuple[str, str], nbytes: int) -> None:
+        self._current[key] += nbytes
+        self._peak[key] = max(self._peak[key], self._current[key])
+
+    def hold(self, name: str, kind: str, t: torch.Tensor, tier: str | None = None) -> torch.Tensor:
+        if kind not in KINDS:
+            raise ValueError(f"ledger kind {kind!r} is not one of {KINDS}")
+        self.hold_bytes(name, kind, self._tier(t, tier), t.numel() * t.element_size())
+        return t
+
+    def hold_bytes(self, name: str, kind: str, tier: str, nbytes: int) -> None:
+        """Count bytes that are not one tensor (an optimizer's state, a file) under a name."""
+        if kind not in KINDS or tier not in TIERS:
+            raise ValueError(f"ledger entry {name!r}: kind {kind!r} / tier {tier!r} not in {KINDS} / {TIERS}")
+        if name in self._held:
+            self.release(name)
+        self._held[name] = (tier, kind, nbytes)
+        self._add((tier, kind), nbytes)
+
+    def release(self, name: str) -> None:
+        tier, kind, nbytes = self._held.pop(name)
+        self._current[(tier, kind)] -= nbytes
+
+    def transient(self, kind: str, t: torch.Tensor, tier: str | None = None) -> Callable[[], None]:
+        """Count a short-lived buffer (tracked in the peak); call the returned function to free it."""
+        key = (self._tier(t, tier), kind)
+        nbytes = t.numel() * t.element_size()
+        self._add(key, nbytes)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                self._current[key] -= nbytes
+                released = True
+        return release
+
+    def track_external(self, name: str, tier: str, read_bytes: Callable[[], int]) -> None:
+        """A byte count kept elsewhere (the NVMe swapper), read when the ledger is read."""
+        self._external[f"{tier}:{name}"] = read_bytes
+
+    def bytes(self, tier: str | None = None, kind: str | None = None, peak: bool = False) -> int:
+        table = self._peak if peak else self._current
+        total = sum(v for (t, k), v in table.items()
+                    if (tier is None or t == tier) and (kind is None or k == kind))
+        if tier in (None, "nvme") and kind in (None, "buffers") and not peak:
+            total += sum(f() for key, f in self._external.items() if key.startswith("nvme:"))
+        return total
+
+    def table(self, peak: bool = False) -> dict[str, dict[str, int]]:
+        return {tier: {kind: self.bytes(tier, kind, peak) for kind in KINDS} for tier in TIERS}
+
+    def format(self, title: str, peak: bool = False) -> str:
+        rows = self.table(peak)
+        head = f"{'tier':<8}" + "".join(f"{k:>17}" for k in KINDS) + f"{'total':>12}"
+        lines = [title, head]
+        for tier, kinds in rows.items():
+            if not any(kinds.values()):
+                continue
+            lines.append(f"{tier:<8}" + "".join(f"{_mib(v):>17}" for v in kinds.values())
+                         + f"{_mib(sum(kinds.values())):>12}")
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
