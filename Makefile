@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.zerokit-installed
 NATIVE := $(shell find src/zerokit/csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
-DEMO_STEPS ?= 120
+DEMO_STEPS ?= 300
 
 .PHONY: install demo test test-fast bench-deps clean
 
@@ -22,7 +22,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 --no-python \
-		$(BIN)/zerokit train --stage 2 --steps $(DEMO_STEPS)
+		$(BIN)/zerokit train --stage 2 --steps $(DEMO_STEPS) --layers 4 --width 192 --heads 6
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -1,0 +1,135 @@
+"""The `zerokit` command: `zerokit train` (the demo) and `zerokit plan` (show a config's plan).
+
+    torchrun --standalone --nproc-per-node 2 --no-python zerokit train --stage 2 --steps 200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train the built-in GPT on the standard library's source text")
+    p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2], help="ZeRO stage")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--config", help="a DeepSpeed-style JSON file; its keys override the flags'")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _config(args) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1,
+                                                  "betas": [0.9, 0.95]}},
+        "scheduler": {"type": "WarmupCosineLR",
+                      "params": {"total_num_steps": args.steps, "warmup_num_steps": max(2, args.steps // 20),
+                                 "warmup_type": "linear", "cos_min_ratio": 0.1}},
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": args.dtype == "bf16"},
+        "zero_optimization": {"stage": args.stage},
+    }
+    if args.config:
+        with open(args.config) as f:
+            cfg.update(json.load(f))
+    return cfg
+
+
+def train(args) -> int:
+    import psutil
+    import torch
+    from tqdm import tqdm
+
+    import zerokit
+    from zerokit.config.plan import explain
+    from zerokit.data import ByteDataset, stdlib_text
+    from zerokit.models import GPT, GPTConfig
+
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width))
+    dataset = ByteDataset(stdlib_text(), args.seq)
+    engine, _, loader, _ = zerokit.initialize(model=model, config=_config(args), training_data=dataset)
+    rank, world = engine.comm.rank, engine.comm.world_size
+    if rank == 0:
+        print(explain(engine), flush=True)
+        print(f"data: {len(dataset.data):,} bytes of Python standard-library source, "
+              f"{len(dataset):,} windows of {args.seq}", flush=True)
+    tokens_per_step = engine.train_batch_size * args.seq
+    batches = _forever(loader)
+    bar = tqdm(total=args.steps, disable=rank != 0, unit="step", dynamic_ncols=True, file=sys.stdout)
+    first = last = None
+    ema = None
+    start = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        step_loss = 0.0
+        for _ in range(engine.gradient_accumulation_steps):
+            x, y = next(batches)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / engine.gradient_accumulation_steps
+        ema = step_loss if ema is None else 0.9 * ema + 0.1 * step_loss
+        first = step_loss if first is None else first
+        last = ema
+        dt = time.perf_counter() - t0
+        bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", lr=f"{engine.get_lr()[0]:.2e}")
+        bar.update(1)
+    bar.close()
+    elapsed = time.perf_counter() - start
+    rss = psutil.Process().memory_info().rss
+    peak = _peak_rss()
+    reports = [None] * world
+    report = (engine.memory_report(peak=True), rss, peak)
+    if world > 1:
+        torch.distributed.all_gather_object(reports, report)
+    else:
+        reports = [report]
+    if rank == 0:
+        print(f"\ntrained {args.steps} steps in {elapsed:.1f}s ({tokens_per_step * args.steps / elapsed:,.0f} "
+              f"tokens/s on {world} rank(s)); loss {first:.3f} -> {last:.3f} "
+              f"(uniform guess: {math.log(256):.3f})")
+        for r, (text, now, top) in enumerate(reports):
+            print(f"\n{text}\n  process RSS on rank {r}: {now / 2**20:,.0f} MiB now, {top / 2**20:,.0f} MiB peak")
+    engine.destroy()
+    return 0
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _forever(loader):
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zerokit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return train(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The start-up plan: what is partitioned, what lives where, and the bytes per tier on this rank.
+
+Printed by rank 0 when training starts, so that a user sees the effective configuration (after
+defaults and the batch-size rule) and the memory it implies before the first step runs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zerokit.engine.optimizer import STATE_BYTES_PER_ELEMENT
+
+if TYPE_CHECKING:
+    from zerokit.engine.engine import Engine
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def explain(engine: "Engine") -> str:
+    cfg, comm, ledger = engine.config, engine.comm, engine.ledger
+    units = engine.units
+    trainable = sum(u.numel for u in units if u.trainable)
+    frozen = sum(u.numel for u in units if not u.trainable)
+    masters = sum(u.master.numel() for u in units if u.trainable)
+    opt_name = type(engine.optimizer).__name__
+    per_elem = STATE_BYTES_PER_ELEMENT.get(opt_name)
+    state_now = ledger.bytes(kind="optimizer_state")
+    state_line = (f"{_mib(state_now)} (measured)" if state_now else
+                  f"~{_mib(per_elem * masters)} ({per_elem} B x {masters:,} master elements, "
+                  f"allocated at the first step)" if per_elem else "allocated at the first step")
+    largest = max(units, key=lambda u: u.numel)
+    lines = [
+        "zerokit plan",
+        f"  world: {comm.world_size} rank(s), backend {comm.backend}, device {comm.device}",
+        f"  {engine.policy.describe()}",
+        f"  precision: compute {cfg.compute_dtype_name}, master fp32, gradient reduction "
+        f"{str(units[0].reduce_dtype).replace('torch.', '')}"
+        + (f", loss scale {engine.loss_scaler.scale:g} ({'dynamic' if engine.loss_scaler.dynamic else 'static'})"
+           if cfg.fp16.enabled else ""),
+        f"  batch: {engine.train_batch_size} = micro {engine.micro_batch_size} x accumulation "
+        f"{engine.gradient_accumulation_steps} x world {comm.world_size}",
+        f"  parameters: {trainable:,} trainable, {frozen:,} frozen, in {len(units)} units "
+        f"(largest: {largest.name}, {largest.numel:,})",
+        f"  optimizer: {opt_name} over {masters:,} fp32 master elements on this rank; state {state_line}",
+        f"  gradient clipping: {cfg.gradient_clipping or 'off'}; reduce buckets of "
+        f"{cfg.zero_optimization.reduce_bucket_size:,} elements",
+        ledger.format(f"  bytes on rank {comm.rank} (before the first step)"),
+    ]
+    return "\n".join(lines)
