@@ -119,21 +119,24 @@ class Comm:
         self._beat_stop.set()
 
     def silent_ranks(self) -> list[int]:
-        """Ranks whose heartbeat is older than 3 beats (dead or stuck), as far as the store tells."""
+        """Ranks whose heartbeat did not advance over 3 beats (dead or stuck), per the store."""
         if self._store is None:
             return []
-        now, silent = time.time(), []
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            try:
-                self._store.set_timeout(datetime.timedelta(seconds=2))
-                stamp = float(self._store.get(f"zerokit/heartbeat/{r}"))
-                if now - stamp > 3 * HEARTBEAT_S:
-                    silent.append(r)
-            except Exception:
-                silent.append(r)
-        return silent
+
+        def stamps() -> dict[int, str | None]:
+            seen = {}
+            for r in range(self.world_size):
+                if r != self.rank:
+                    try:
+                        self._store.set_timeout(datetime.timedelta(seconds=2))
+                        seen[r] = self._store.get(f"zerokit/heartbeat/{r}")
+                    except Exception:
+                        seen[r] = None
+            return seen
+        before = stamps()
+        time.sleep(3 * HEARTBEAT_S)
+        after = stamps()
+        return [r for r in before if after[r] is None or after[r] == before[r]]
 
     # ---- errors -------------------------------------------------------------------------------
     def _describer(self, op: str, where: str) -> Callable[[BaseException], CollectiveError]:

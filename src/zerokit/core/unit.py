@@ -109,6 +109,7 @@ class Unit:
         self.grad_flat: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
         self.master_grad: torch.Tensor | None = None
+        self.grad_acc: torch.Tensor | None = None
         if not self.trainable:
             return
         a, b = self.opt_range
@@ -126,7 +127,6 @@ class Unit:
             self.master_grad = self.ledger.hold(
                 f"{self.name}/master_grad", "grads", torch.zeros(b - a, dtype=torch.float32, device=device))
         self.master.grad = self.master_grad
-        self.grad_acc: torch.Tensor | None = None
         if self.grad_flat is not None and self.compute_dtype != torch.float32 and self.grad_accum_steps > 1:
             self.grad_acc = self.master_grad if not self.policy.shard_optimizer else self.ledger.hold(
                 f"{self.name}/grad_acc", "grads", torch.zeros(self.padded_numel, dtype=torch.float32,

@@ -5,7 +5,9 @@ partitioned. The whole training step reads top to bottom in `backward` and `step
 """
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections import deque
 from typing import Any
 
@@ -19,6 +21,8 @@ from zerokit.engine.optimizer import state_bytes
 from zerokit.engine.precision import LossScaler
 from zerokit.policy import PartitionPolicy
 from zerokit.tiers import Ledger
+
+log = logging.getLogger("zerokit")
 
 
 class Engine(nn.Module):
@@ -43,6 +47,7 @@ class Engine(nn.Module):
         self._reduce_now = False
         self._pending: deque[tuple[Handle, int]] = deque()
         self._pending_bytes = 0
+        self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
         # Gradients of at most two buckets in flight: enough to overlap, bounded in memory.
         self._max_pending_bytes = 2 * config.zero_optimization.reduce_bucket_size * 4
         self._state_tier = ledger._tier(units[0].flat, None)
@@ -52,7 +57,10 @@ class Engine(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        t0 = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        self._timers["forward"] += time.perf_counter() - t0
+        return out
 
     # ---- backward -----------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -66,6 +74,7 @@ class Engine(nn.Module):
         # Stage >= 2 reduces every micro-step (gradients never persist in full); below that,
         # gradients accumulate locally and are reduced once, on the boundary's backward.
         self._reduce_now = self.policy.shard_gradients or self.is_gradient_accumulation_boundary()
+        t0 = time.perf_counter()
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         if self._reduce_now:
@@ -75,6 +84,7 @@ class Engine(nn.Module):
             self._drain(0)
         for unit in self.units:
             unit.end_backward()
+        self._timers["backward"] += time.perf_counter() - t0
         return loss
 
     def _grad_hook(self, unit: Unit, index: int):
@@ -104,6 +114,7 @@ class Engine(nn.Module):
         self.global_samples += self.micro_batch_size * self.comm.world_size
         if not boundary:
             return
+        t0 = time.perf_counter()
         trainable = [u for u in self.units if u.trainable]
         scale = self.loss_scaler.scale
         coef = 1.0 / scale
@@ -134,6 +145,20 @@ class Engine(nn.Module):
         self.loss_scaler.update(overflow)
         self.global_steps += 1
         self.zero_grad()
+        self._timers["step"] += time.perf_counter() - t0
+        if self.global_steps % self.config.steps_per_print == 0:
+            self._report_progress(overflow)
+
+    def _report_progress(self, overflow: bool) -> None:
+        """DeepSpeed's steps_per_print line (and wall_clock_breakdown timers), on rank 0."""
+        if self.comm.rank == 0:
+            line = (f"step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} "
+                    f"loss_scale={self.loss_scaler.scale:g}{' (overflow)' if overflow else ''}")
+            if self.config.wall_clock_breakdown:
+                n = self.config.steps_per_print
+                line += " | ms/step: " + ", ".join(f"{k} {v / n * 1e3:.1f}" for k, v in self._timers.items())
+            log.info(line)
+        self._timers = dict.fromkeys(self._timers, 0.0)
 
     def _global_grad_norm(self, units: list[Unit]) -> float:
         """L2 norm over every shard: local sums, then one scalar all-reduce where sharded."""

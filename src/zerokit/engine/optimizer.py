@@ -6,6 +6,7 @@ hyperparameters, so the update of each element is what it would have been on the
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -62,7 +63,11 @@ def recipe_from(model: nn.Module, optimizer: Any, model_parameters: Iterable[Any
             f"has an 'optimizer' section (type {config_optimizer.type}): keep one of them")
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
-        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        cls = type(optimizer)
+        # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay);
+        # every group carries all of them anyway, so pass only what the signature accepts.
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         build: OptimizerFactory = lambda gs: cls(gs, **defaults)  # noqa: E731
     else:
         groups = _normalize_groups(model_parameters if model_parameters is not None

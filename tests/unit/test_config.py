@@ -1,0 +1,80 @@
+"""Bad configurations are refused with a message naming the key, the value and what is allowed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerokit.config import ConfigError, ZeroKitConfig, load_config
+
+BASE = {"train_micro_batch_size_per_gpu": 2}
+
+BAD = [
+    # (config, world size for the batch rule, fragments the message must contain)
+    ({**BASE, "zero_optimization": {"stgae": 2}}, 1, ["zero_optimization.stgae", "did you mean 'stage'"]),
+    ({**BASE, "train_batchsize": 8}, 1, ["train_batchsize", "train_batch_size"]),
+    ({**BASE, "zero_optimization": {"stage": 4}}, 1, ["zero_optimization.stage", "less than or equal to 3", "4"]),
+    ({**BASE, "zero_optimization": {"stage": -1}}, 1, ["zero_optimization.stage", "greater than or equal to 0"]),
+    ({**BASE, "optimizer": {"type": "Adamw"}}, 1, ["optimizer.type", "'AdamW'", "Adamw"]),
+    ({**BASE, "optimizer": {"type": "AdamW", "params": {"lrr": 1e-3}}}, 1, ["lrr", "did you mean 'lr'"]),
+    ({**BASE, "optimizer": {"type": "SGD", "params": {"lr": -1.0}}}, 1, ["optimizer.params.lr", "-1.0"]),
+    ({**BASE, "optimizer": {"params": {"lr": 1e-3}}}, 1, ["optimizer.type", "Field required"]),
+    ({**BASE, "scheduler": {"type": "WarmupCosineLR", "params": {}}}, 1, ["WarmupCosineLR", "total_num_steps"]),
+    ({**BASE, "scheduler": {"type": "OneCycle"}}, 1, ["scheduler.type", "WarmupLR", "OneCycle"]),
+    ({**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, 1, ["fp16.enabled", "bf16.enabled", "contradict"]),
+    ({**BASE, "fp16": {"enabled": True, "loss_scale": -2}}, 1, ["fp16.loss_scale", "-2"]),
+    ({**BASE, "fp16": {"enabled": True, "loss_scale_windw": 10}}, 1, ["fp16.loss_scale_windw", "loss_scale_window"]),
+    ({**BASE, "gradient_clipping": -1.0}, 1, ["gradient_clipping", "-1.0"]),
+    ({**BASE, "zero_optimization": {"reduce_bucket_size": 0}}, 1, ["reduce_bucket_size", "greater than 0"]),
+    ({**BASE, "communication_data_type": "fp8"}, 1, ["communication_data_type", "fp8", "'fp32'"]),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 2,
+     ["train_batch_size=10", "train_micro_batch_size_per_gpu=2", "gradient_accumulation_steps=2", "world_size=2", "= 8"]),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, 2, ["train_batch_size=10", "not a multiple"]),
+    ({"gradient_accumulation_steps": 4}, 1, ["train_batch_size", "train_micro_batch_size_per_gpu"]),
+    ({**BASE, "zero_optimization": {"stage": "two"}}, 1, ["zero_optimization.stage", "two"]),
+    ({**BASE, "bf16": {"enabled": "maybe"}}, 1, ["bf16.enabled", "maybe"]),
+]
+
+
+@pytest.mark.parametrize("config,world,fragments", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_config_is_a_clear_error(config, world, fragments) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(config).resolve_batch(world)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from: {message}"
+
+
+@pytest.mark.parametrize("given,world,expected", [
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, 2, (16, 4, 2)),
+    ({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 2, (16, 4, 2)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+    ({"train_batch_size": 8}, 4, (8, 2, 1)),
+    ({"train_micro_batch_size_per_gpu": 3}, 1, (3, 3, 1)),
+    ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 2, (12, 3, 2)),
+])
+def test_batch_rule_any_two_give_the_third(given, world, expected) -> None:
+    assert load_config(given).resolve_batch(world) == expected
+
+
+def test_config_from_json_path_and_model(tmp_path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**BASE, "zero_optimization": {"stage": 2}}))
+    cfg = load_config(str(path))
+    assert cfg.zero_optimization.stage == 2
+    assert load_config(cfg) is cfg
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.json"))
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(str(tmp_path / "broken.json"))
+    with pytest.raises(ConfigError, match="must be a dict"):
+        load_config(42)
+
+
+def test_config_surface_is_locked() -> None:
+    """Adding or renaming a key is a decision: this list changes with it, in the same commit."""
+    assert sorted(ZeroKitConfig.model_fields) == sorted([
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+        "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
+        "communication_data_type", "steps_per_print", "wall_clock_breakdown", "comm_timeout_s"])
