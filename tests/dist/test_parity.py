@@ -58,7 +58,12 @@ def _train_zerokit(rank: int, world: int, cases) -> dict:
             if world > 1:
                 torch.distributed.all_reduce(t)
             losses.append(t.item() / world)
-        out[case] = (losses, engine.consolidated_fp32_state_dict())
+        # Read right after a step, while weights may still be in flight: state_dict must wait.
+        compute = {k: v.clone() for k, v in model.state_dict().items()}
+        fp32 = engine.consolidated_fp32_state_dict()
+        for name, w in compute.items():
+            assert torch.equal(w, fp32[name].to(w.dtype)), f"{case}: state_dict {name} is not the stepped weight"
+        out[case] = (losses, fp32)
         engine.destroy()
     return out
 

@@ -45,13 +45,15 @@ class ParamSlot:
 
 
 class Unit:
-    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], *, trainable: bool,
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], *, module: nn.Module,
+                 trainable: bool,
                  group_index: int, comm: Comm, policy: PartitionPolicy, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, bucket_numel: int, ledger: Ledger,
                  grad_accum_steps: int = 1):
         if not params:
             raise ValueError(f"unit {name!r} has no parameters")
         self.name = name
+        self.module = module  # whose forward uses these weights first (the model for the root unit)
         self.trainable = trainable
         self.group_index = group_index
         self.comm = comm
@@ -81,6 +83,7 @@ class Unit:
         self._build_buffers()
         self._ready: set[int] = set()
         self._launched = False
+        self._publishing: Handle | None = None
 
     # ---- construction -----------------------------------------------------------------------
     def _build_buffers(self) -> None:
@@ -224,14 +227,23 @@ class Unit:
         return self.master_grad.double().pow(2).sum() if self.master_grad is not None else \
             torch.zeros((), dtype=torch.float64, device=self.device)
 
-    def publish_weights(self) -> Handle | None:
-        """After the optimizer step: new master -> compute weights -> every rank."""
+    def publish_weights(self) -> None:
+        """After the optimizer step: new master -> compute weights -> every rank (asynchronous).
+
+        [Note: weights in flight] Until `wait_weights()`, the parts of `flat` other ranks own are
+        being gathered and must not be read: the engine waits in the unit's forward pre-hook,
+        before any state_dict, and before the next backward or step.
+        """
         a, b = self.opt_range
         if self.master.data_ptr() != self.flat[a:b].data_ptr():
             self.flat[a:b].copy_(self.master.detach())
         if self.policy.shard_optimizer:
-            return self.comm.all_gather(self.flat, self.name, async_op=True)
-        return None
+            self._publishing = self.comm.all_gather(self.flat, self.name, async_op=True)
+
+    def wait_weights(self) -> None:
+        if self._publishing is not None:
+            handle, self._publishing = self._publishing, None
+            handle.wait()
 
     def zero_grad(self) -> None:
         if self.master_grad is not None:

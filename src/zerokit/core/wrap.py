@@ -58,8 +58,8 @@ def select_modules(model: nn.Module, wrap: "Iterable[type] | WrapPolicy | None"
 
 def group_parameters(model: nn.Module, wrapped: list[tuple[str, nn.Module]],
                      group_of: dict[int, int]
-                     ) -> list[tuple[str, int, bool, list[tuple[str, nn.Parameter]]]]:
-    """[(unit name, param group index, trainable, [(fqn, param)])] in unit order.
+                     ) -> list[tuple[str, nn.Module, int, bool, list[tuple[str, nn.Parameter]]]]:
+    """[(unit name, module, param group index, trainable, [(fqn, param)])] in unit order.
 
     group_of maps id(param) -> optimizer param-group index; a parameter in no group is frozen.
     """
@@ -68,6 +68,7 @@ def group_parameters(model: nn.Module, wrapped: list[tuple[str, nn.Module]],
         for p in module.parameters():
             owner.setdefault(id(p), prefix)
     buckets: dict[tuple[str, int, bool], list[tuple[str, nn.Parameter]]] = {}
+    modules = dict(wrapped, **{"<root>": model})
     order = [prefix for prefix, _ in wrapped] + ["<root>"]
     for fqn, p in model.named_parameters():  # deduplicated: tied weights appear once
         unit = owner.get(id(p), "<root>")
@@ -79,5 +80,5 @@ def group_parameters(model: nn.Module, wrapped: list[tuple[str, nn.Module]],
         for (name, group, trainable), params in buckets.items():
             if name == unit:
                 suffix = "" if trainable and group == 0 else (f"[group{group}]" if trainable else "[frozen]")
-                result.append((name + suffix, group, trainable, params))
+                result.append((name + suffix, modules[unit], group, trainable, params))
     return result

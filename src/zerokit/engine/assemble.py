@@ -46,11 +46,11 @@ def initialize(model: nn.Module, optimizer: Any = None,
             buf.data = buf.data.to(dtype)
     ledger = Ledger()
     units = [
-        Unit(name, params, trainable=trainable, group_index=group, comm=comm, policy=policy,
+        Unit(name, params, module=module, trainable=trainable, group_index=group, comm=comm, policy=policy,
              compute_dtype=dtype, reduce_dtype=reduce_dtype(cfg),
              bucket_numel=cfg.zero_optimization.reduce_bucket_size, ledger=ledger,
              grad_accum_steps=batch[2])
-        for name, group, trainable, params in group_parameters(
+        for name, module, group, trainable, params in group_parameters(
             model, select_modules(model, wrap), recipe.group_of)
     ]
     masters = [[u.master for u in units if u.trainable and u.group_index == g]

@@ -54,6 +54,11 @@ class Engine(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u, i))
                        for u in units if u.trainable for i, s in enumerate(u.slots)
                        for p in [s.param]]
+        for unit in units:
+            self._hooks.append(unit.module.register_forward_pre_hook(
+                lambda _module, _args, unit=unit: unit.wait_weights()))
+        self._hooks.append(module.register_state_dict_pre_hook(
+            lambda *_args, **_kwargs: self.wait_for_weights()))
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -75,6 +80,7 @@ class Engine(nn.Module):
         # gradients accumulate locally and are reduced once, on the boundary's backward.
         self._reduce_now = self.policy.shard_gradients or self.is_gradient_accumulation_boundary()
         t0 = time.perf_counter()
+        self.wait_for_weights()  # units whose modules forward did not call
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         if self._reduce_now:
@@ -134,10 +140,9 @@ class Engine(nn.Module):
                 for u in trainable:
                     u.master_grad.mul_(coef)
             self.optimizer.step()
-            handles = [u.publish_weights() for u in trainable]
-            for h in handles:
-                if h is not None:
-                    h.wait()
+            # In the order forward will need them; each unit's forward pre-hook waits for its own.
+            for u in sorted(trainable, key=lambda u: u.module is not self.module):
+                u.publish_weights()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.ledger.hold_bytes("optimizer", "optimizer_state", self._state_tier,
@@ -160,6 +165,11 @@ class Engine(nn.Module):
             log.info(line)
         self._timers = dict.fromkeys(self._timers, 0.0)
 
+    def wait_for_weights(self) -> None:
+        """Finish gathering the weights of the last step (see [Note: weights in flight])."""
+        for u in self.units:
+            u.wait_weights()
+
     def _global_grad_norm(self, units: list[Unit]) -> float:
         """L2 norm over every shard: local sums, then one scalar all-reduce where sharded."""
         total = torch.zeros((), dtype=torch.float64, device=self.comm.device)
@@ -176,6 +186,7 @@ class Engine(nn.Module):
 
     def consolidated_fp32_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's fp32 value by name, gathered on every rank (one unit at a time)."""
+        self.wait_for_weights()
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
             out.update({k: v.clone() for k, v in u.split(u.full_master()).items()})
@@ -201,6 +212,7 @@ class Engine(nn.Module):
         return self
 
     def destroy(self) -> None:
+        self.wait_for_weights()
         for h in self._hooks:
             h.remove()
         self.comm.close()
