@@ -190,6 +190,11 @@ class Engine(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
             out.update({k: v.clone() for k, v in u.split(u.full_master()).items()})
+        # Tied parameters live once in a unit; the state dict names every alias, as torch's does.
+        canonical = {id(p): n for n, p in self.module.named_parameters()}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if name not in out:
+                out[name] = out[canonical[id(p)]]
         return out
 
     # ---- introspection ------------------------------------------------------------------------
