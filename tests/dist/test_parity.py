@@ -93,7 +93,7 @@ def _check(case, got, ref) -> None:
             outside += int((~close).sum())
             total += w.numel()
         assert outside <= total * 1e-3, f"{case}: {outside} of {total} elements beyond lr/10"
-    assert set(weights) == set(ref_weights)
+    assert set(ref_weights) <= set(weights)  # weights also names tied aliases (lm_head.weight)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
