@@ -59,6 +59,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     scheduler = _scheduler(cfg, lr_scheduler, torch_optimizer, optimizer)
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch)
     dataloader = _dataloader(training_data, batch[1], comm, collate_fn)
+    engine.training_dataloader = dataloader
     return engine, torch_optimizer, dataloader, scheduler
 
 

@@ -44,6 +44,7 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self.global_samples = 0
+        self.training_dataloader = None  # set by initialize(training_data=...)
         self._reduce_now = False
         self._pending: deque[tuple[Handle, int]] = deque()
         self._pending_bytes = 0
@@ -196,6 +197,23 @@ class Engine(nn.Module):
             if name not in out:
                 out[name] = out[canonical[id(p)]]
         return out
+
+    # ---- checkpoints (zerokit.checkpoint does the work) ----------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> None:
+        from zerokit.checkpoint import save_checkpoint
+
+        save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        from zerokit.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
 
     # ---- introspection ------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
