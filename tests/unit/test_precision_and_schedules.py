@@ -24,10 +24,10 @@ def test_dynamic_scale_hysteresis_backoff_and_growth() -> None:
     assert s.scale == 8
     s.update(True)   # hysteresis stays spent (not consecutive mode): halves again
     assert s.scale == 4
-    for _ in range(2):
+    for _ in range(3):
         s.update(False)
     assert s.scale == 4
-    s.update(False)  # window of 3 clean iterations since the last overflow: doubles
+    s.update(False)  # 3 clean iterations completed before this one: doubles (DeepSpeed 0.19)
     assert s.scale == 8
     for _ in range(10):
         s.update(True)

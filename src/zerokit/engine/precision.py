@@ -65,7 +65,9 @@ class LossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
-            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+            # Clean iterations since the last overflow, this one excluded (DeepSpeed 0.19's count).
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.hysteresis
                 self.scale *= self.factor
