@@ -97,6 +97,17 @@ class ZeroConfig(_Section):
     overlap_comm: bool = Field(True, description="Reduce gradients while backward runs.")
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
+    stage3_prefetch_bucket_size: int = Field(
+        50_000_000, ge=0, description="Elements gathered ahead of use (stage 3).")
+    stage3_max_live_parameters: int = Field(
+        1_000_000_000, gt=0, description="Most elements gathered at once, prefetch included.")
+    stage3_param_persistence_threshold: int = Field(
+        100_000, ge=0, description="Units this small stay gathered (no per-use collectives).")
+    stage3_max_reuse_distance: int = Field(
+        1_000_000_000, ge=0, description="Keep a unit gathered if used again within this many elements.")
+    reshard_after_forward: bool = Field(
+        True, description="zerokit (FSDP's name): release a unit after its forward; False keeps "
+                          "it gathered until its backward, trading memory for one all-gather.")
 
 
 class ZeroKitConfig(_Section):

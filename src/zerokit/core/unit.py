@@ -8,7 +8,10 @@ become views into the flat compute buffer, so models need no refactoring and `p.
 logical shape. Padding elements have zero weight, zero gradient and therefore zero update.
 
 [Note: unit state per rank]
-- `flat`        compute-dtype weights, full size (stages 0-2).
+- `flat`        compute-dtype weights, full size. At stage 3 its storage exists only while the
+                unit is gathered (resized to 0 bytes when released), so parameter views keep their
+                logical shapes and autograd's saved tensors see the weights again when re-gathered.
+- `shard`       stage 3: this rank's compute-dtype shard, the persistent copy of the weights.
 - `grad_flat`   compute-dtype full-size gradients that `p.grad` views point into; only where
                 gradients are reduced once per accumulation boundary (not sharded).
 - `master`      fp32 weights of the optimizer range: this rank's shard if the optimizer state is
@@ -22,6 +25,7 @@ logical shape. Padding elements have zero weight, zero gradient and therefore ze
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.nn as nn
@@ -31,6 +35,16 @@ from zerokit.policy import PartitionPolicy
 from zerokit.tiers import Ledger
 
 ALIGN = 32  # elements per shard boundary: keeps every shard 64-byte aligned for SIMD kernels
+
+
+class WeightState(Enum):
+    """Where a unit's full compute weights are. Legal moves: SHARDED -> GATHERING -> GATHERED ->
+    SHARDED (release); a gather of a GATHERING/GATHERED unit and a release of a SHARDED one are
+    no-ops, so hooks may ask twice (a module called twice, a tied weight)."""
+
+    SHARDED = "sharded"      # only this rank's shard exists; `flat` has no storage (stage 3)
+    GATHERING = "gathering"  # an all-gather into `flat` is in flight: do not read `flat`
+    GATHERED = "gathered"    # `flat` holds every rank's shard: parameters can be used
 
 
 @dataclass(frozen=True)
@@ -79,11 +93,14 @@ class Unit:
         else:
             self.opt_range = (0, self.padded_numel)
         self.device = comm.device
+        self._release_bytes = None  # ledger release of the gathered full weights (stage 3)
         self._sync_initial_values()
         self._build_buffers()
         self._ready: set[int] = set()
         self._launched = False
-        self._publishing: Handle | None = None
+        self._gather_handle: Handle | None = None
+        self.index = -1  # position in the engine's unit list; set by the engine
+        self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
 
     # ---- construction -----------------------------------------------------------------------
     def _build_buffers(self) -> None:
@@ -104,10 +121,19 @@ class Unit:
                     master_full[lo - self.opt_range[0]:hi - self.opt_range[0]].copy_(
                         src[lo - s.offset:hi - s.offset].to(device=device, dtype=torch.float32))
         del first
-        self.flat = self.ledger.hold(f"{self.name}/weights", "weights", flat)
+        self.flat = flat
         for s in self.slots:
             s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
             s.param.grad = None
+        self.shard: torch.Tensor | None = None
+        self.state = WeightState.GATHERED
+        if self.policy.shard_weights:
+            lo = self.comm.rank * self.shard_numel
+            self.shard = self.ledger.hold(f"{self.name}/weights", "weights",
+                                          flat[lo:lo + self.shard_numel].clone())
+            self._free_flat()
+        else:
+            self.ledger.hold(f"{self.name}/weights", "weights", flat)
 
         self.grad_flat: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
@@ -117,7 +143,8 @@ class Unit:
             return
         a, b = self.opt_range
         if master_full is None:  # fp32 training: the optimizer updates the weights in place
-            self.master = nn.Parameter(flat[a:b], requires_grad=True)
+            home = self.shard if self.shard is not None else flat[a:b]
+            self.master = nn.Parameter(home, requires_grad=True)
         else:
             self.master = nn.Parameter(self.ledger.hold(f"{self.name}/master", "master", master_full))
         if not self.policy.shard_gradients:
@@ -230,20 +257,57 @@ class Unit:
     def publish_weights(self) -> None:
         """After the optimizer step: new master -> compute weights -> every rank (asynchronous).
 
-        [Note: weights in flight] Until `wait_weights()`, the parts of `flat` other ranks own are
-        being gathered and must not be read: the engine waits in the unit's forward pre-hook,
-        before any state_dict, and before the next backward or step.
+        [Note: weights in flight] While GATHERING, the parts of `flat` other ranks own are being
+        gathered and must not be read: the engine waits in the unit's forward pre-hook, before
+        any state_dict, and before the next backward or step.
         """
+        if self.shard is not None:  # stage 3: the shard is the weights' home
+            if self.master.data_ptr() != self.shard.data_ptr():
+                self.shard.copy_(self.master.detach())
+            if self.state is WeightState.SHARDED:
+                return
+            self.state = WeightState.SHARDED  # persistent / still-gathered units gather anew
+            self.gather()
+            return
         a, b = self.opt_range
         if self.master.data_ptr() != self.flat[a:b].data_ptr():
             self.flat[a:b].copy_(self.master.detach())
         if self.policy.shard_optimizer:
-            self._publishing = self.comm.all_gather(self.flat, self.name, async_op=True)
+            self.state = WeightState.GATHERING
+            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True)
+
+    def gather(self) -> None:
+        """Start gathering the full weights into `flat` (stage 3, or a re-publish); idempotent."""
+        if self.state is not WeightState.SHARDED:
+            return
+        nbytes = self.padded_numel * self.flat.element_size()
+        if self.flat.untyped_storage().nbytes() != nbytes:
+            self.flat.untyped_storage().resize_(nbytes)
+            self._release_bytes = self.ledger.transient("weights", self.flat)
+        lo = self.comm.rank * self.shard_numel
+        self.flat[lo:lo + self.shard_numel].copy_(self.shard)
+        self.state = WeightState.GATHERING
+        self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True)
 
     def wait_weights(self) -> None:
-        if self._publishing is not None:
-            handle, self._publishing = self._publishing, None
+        if self.state is WeightState.GATHERING:
+            handle, self._gather_handle = self._gather_handle, None
             handle.wait()
+            self.state = WeightState.GATHERED
+
+    def release(self) -> None:
+        """Drop the full weights, keeping the shard (stage 3, non-persistent units only)."""
+        if self.persistent or self.state is WeightState.SHARDED:
+            return
+        self.wait_weights()
+        self._free_flat()
+
+    def _free_flat(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+        self.state = WeightState.SHARDED
+        if self._release_bytes is not None:
+            self._release_bytes()
+            self._release_bytes = None
 
     def zero_grad(self) -> None:
         if self.master_grad is not None:
@@ -259,12 +323,16 @@ class Unit:
 
     def full_master(self) -> torch.Tensor:
         """The whole unit's fp32 weights (master where there is one), gathered on every rank."""
-        if not self.trainable:
-            return self.flat.float()
         full = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
-        a, b = self.opt_range
-        full[a:b].copy_(self.master.detach())
-        if self.policy.shard_optimizer:
+        if self.trainable:
+            (a, b), source, partitioned = self.opt_range, self.master.detach(), self.policy.shard_optimizer
+        elif self.shard is not None:
+            lo = self.comm.rank * self.shard_numel
+            (a, b), source, partitioned = (lo, lo + self.shard_numel), self.shard, True
+        else:
+            return self.flat.float()
+        full[a:b].copy_(source)
+        if partitioned:
             self.comm.all_gather(full, self.name)
         return full
 

@@ -33,9 +33,6 @@ def initialize(model: nn.Module, optimizer: Any = None,
     comm = Comm.from_environment(cfg.comm_timeout_s)
     batch = cfg.resolve_batch(comm.world_size)
     policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
-    if policy.shard_weights:
-        raise NotImplementedError("ZeRO stage 3 (partitioned parameters) is not implemented yet; "
-                                  "use zero_optimization.stage 0, 1 or 2")
     recipe = recipe_from(model, optimizer, model_parameters, cfg.optimizer)
 
     dtype = compute_dtype(cfg)
@@ -53,6 +50,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
         for name, module, group, trainable, params in group_parameters(
             model, select_modules(model, wrap), recipe.group_of)
     ]
+    for index, unit in enumerate(units):
+        unit.index = index
     masters = [[u.master for u in units if u.trainable and u.group_index == g]
                for g in range(len(recipe.hyper))]
     torch_optimizer = build_optimizer(recipe, masters)

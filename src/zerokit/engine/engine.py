@@ -20,6 +20,7 @@ from zerokit.core.unit import Unit
 from zerokit.engine.optimizer import state_bytes
 from zerokit.engine.precision import LossScaler
 from zerokit.policy import PartitionPolicy
+from zerokit.schedule import Stage3Scheduler
 from zerokit.tiers import Ledger
 
 log = logging.getLogger("zerokit")
@@ -55,11 +56,45 @@ class Engine(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u, i))
                        for u in units if u.trainable for i, s in enumerate(u.slots)
                        for p in [s.param]]
-        for unit in units:
-            self._hooks.append(unit.module.register_forward_pre_hook(
-                lambda _module, _args, unit=unit: unit.wait_weights()))
-        self._hooks.append(module.register_state_dict_pre_hook(
-            lambda *_args, **_kwargs: self.wait_for_weights()))
+        self.scheduler = (Stage3Scheduler(units, comm, config.zero_optimization, module)
+                          if policy.shard_weights else None)
+        self._install_module_hooks()
+
+    def _install_module_hooks(self) -> None:
+        """Thin hooks: each asks the scheduler (stage 3) or the units to have weights ready."""
+        by_module: dict[int, list[Unit]] = {}
+        for u in self.units:
+            by_module.setdefault(id(u.module), []).append(u)
+        if self.scheduler is not None:
+            self._hooks.append(self.module.register_forward_pre_hook(
+                lambda *_: self.scheduler.start_iteration(), prepend=True))
+        for units in by_module.values():
+            module = units[0].module
+            self._hooks.append(module.register_forward_pre_hook(
+                lambda _m, _args, units=units: self._before_forward(units)))
+            if self.scheduler is not None:
+                self._hooks.append(module.register_forward_hook(
+                    lambda _m, _args, out, units=units: self._after_forward(units, out)))
+        self._hooks.append(self.module.register_state_dict_pre_hook(self._before_state_dict))
+
+    def _before_forward(self, units: list[Unit]) -> None:
+        for u in units:
+            if self.scheduler is not None:
+                self.scheduler.use(u)
+            else:
+                u.wait_weights()
+
+    def _after_forward(self, units: list[Unit], output: Any) -> None:
+        for u in units:
+            self.scheduler.after_forward(u, output)
+
+    def _before_state_dict(self, *_args: Any, **_kwargs: Any) -> None:
+        if self.scheduler is not None:
+            raise RuntimeError(
+                "model.state_dict() at ZeRO stage 3 would gather every weight on every rank; use "
+                "engine.consolidated_fp32_state_dict(), engine.save_16bit_model(dir) or "
+                "zerokit.zero.GatheredParameters(params) instead")
+        self.wait_for_weights()
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -91,6 +126,8 @@ class Engine(nn.Module):
             self._drain(0)
         for unit in self.units:
             unit.end_backward()
+        if self.scheduler is not None:
+            self.scheduler.end_backward()
         self._timers["backward"] += time.perf_counter() - t0
         return loss
 
@@ -99,6 +136,8 @@ class Engine(nn.Module):
             handle = unit.on_grad_ready(param, index, self._reduce_now)
             if handle is not None:
                 self._track(handle, unit)
+                if self.scheduler is not None:
+                    self.scheduler.after_backward(unit)
         return hook
 
     def _track(self, handle: Handle, unit: Unit) -> None:

@@ -32,6 +32,13 @@ except ImportError:  # the extension is optional; see setup.py
     _native = None
 
 _warned: set[str] = set()
+
+
+def native_available() -> bool:
+    """Whether the native engine was built (else AsyncIO falls back to Python threads)."""
+    return _native is not None
+
+
 _warn_lock = threading.Lock()
 
 

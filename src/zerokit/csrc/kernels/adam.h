@@ -1,0 +1,51 @@
+// Adam / AdamW on one contiguous range, one pass over memory: each of param, grad, exp_avg,
+// exp_avg_sq is loaded once and stored once (grad only loaded), the 16-bit copy of the new param
+// is written from registers. Templates only; instantiated per ISA (see simd.h).
+#pragma once
+#include "kernels/stream.h"
+
+namespace zk {
+
+template <class S>
+struct AdamOp {
+  using F = typename S::F;
+  F grad_scale, l2_decay, param_decay, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc2_sqrt,
+      neg_step_size;
+  bool l2, decoupled;
+
+  explicit AdamOp(const AdamScalars& s)
+      : grad_scale(S::set1(s.grad_scale)), l2_decay(S::set1(s.l2_decay)),
+        param_decay(S::set1(s.param_decay)), one_minus_beta1(S::set1(s.one_minus_beta1)),
+        beta2(S::set1(s.beta2)), one_minus_beta2(S::set1(s.one_minus_beta2)), eps(S::set1(s.eps)),
+        inv_bc2_sqrt(S::set1(s.inv_bias_correction2_sqrt)), neg_step_size(S::set1(s.neg_step_size)),
+        l2(s.l2), decoupled(s.decoupled) {}
+
+  // The order of operations follows torch.optim.Adam's single-tensor path (lerp_ for exp_avg,
+  // mul_/addcmul_ for exp_avg_sq, addcdiv_ for the param) so the two agree to an ulp or so.
+  template <DType G, DType O>
+  void apply(const StepBuffers& b, int64_t i) const {
+    F g = S::mul(load_grad<S, G>(b.grad, i), grad_scale);
+    F p = S::load(b.param + i);
+    if (l2) g = S::fmadd(p, l2_decay, g);
+    if (decoupled) p = S::mul(p, param_decay);
+    F m = S::load(b.state0 + i);
+    m = S::fmadd(one_minus_beta1, S::sub(g, m), m);
+    F v = S::load(b.state1 + i);
+    v = S::fmadd(S::mul(one_minus_beta2, g), g, S::mul(v, beta2));
+    // Multiplying by 1/sqrt(bias_correction2) instead of dividing saves a division per element;
+    // it moves denom by at most an ulp.
+    const F denom = S::fmadd(S::sqrt(v), inv_bc2_sqrt, eps);
+    p = S::add(p, S::div(S::mul(neg_step_size, m), denom));
+    S::store(b.state0 + i, m);
+    S::store(b.state1 + i, v);
+    S::store(b.param + i, p);
+    store_out16<S, O>(b.out16, i, p);
+  }
+};
+
+template <class S>
+void adam_range(const AdamScalars& s, const StepBuffers& b, int64_t begin, int64_t end) {
+  stream_dispatch<S>(AdamOp<S>(s), b, begin, end);
+}
+
+}  // namespace zk

@@ -1,0 +1,44 @@
+// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") on one contiguous
+// range, one pass over memory. Templates only (see simd.h).
+#pragma once
+#include "kernels/stream.h"
+
+namespace zk {
+
+template <class S>
+struct LionOp {
+  using F = typename S::F;
+  F grad_scale, param_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, neg_lr;
+  bool decoupled;
+
+  explicit LionOp(const LionScalars& s)
+      : grad_scale(S::set1(s.grad_scale)), param_decay(S::set1(s.param_decay)),
+        beta1(S::set1(s.beta1)), one_minus_beta1(S::set1(s.one_minus_beta1)),
+        beta2(S::set1(s.beta2)), one_minus_beta2(S::set1(s.one_minus_beta2)),
+        neg_lr(S::set1(s.neg_lr)), decoupled(s.decoupled) {}
+
+  // update = sign(beta1*m + (1-beta1)*g); p = p*(1 - lr*wd) - lr*update; m = beta2*m + (1-beta2)*g.
+  // Each blend is round(m*beta) then fused with g*(1-beta), which is what torch's
+  // m.mul(beta).add(g, alpha=1-beta) computes; matching it matters because a last-bit difference
+  // near zero flips the sign and moves the param by 2*lr.
+  template <DType G, DType O>
+  void apply(const StepBuffers& b, int64_t i) const {
+    const F g = S::mul(load_grad<S, G>(b.grad, i), grad_scale);
+    F p = S::load(b.param + i);
+    F m = S::load(b.state0 + i);
+    if (decoupled) p = S::mul(p, param_decay);
+    const F c = S::fmadd(g, one_minus_beta1, S::mul(m, beta1));
+    p = S::fmadd(S::sign(c), neg_lr, p);
+    m = S::fmadd(g, one_minus_beta2, S::mul(m, beta2));
+    S::store(b.state0 + i, m);
+    S::store(b.param + i, p);
+    store_out16<S, O>(b.out16, i, p);
+  }
+};
+
+template <class S>
+void lion_range(const LionScalars& s, const StepBuffers& b, int64_t begin, int64_t end) {
+  stream_dispatch<S>(LionOp<S>(s), b, begin, end);
+}
+
+}  // namespace zk

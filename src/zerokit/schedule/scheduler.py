@@ -1,0 +1,137 @@
+"""The stage-3 scheduler: gather a unit before use, prefetch ahead, release after use.
+
+It records the order units are used in one iteration (forwards then backward, as hooks report
+them) and, from the next iteration on, gathers ahead in that order within
+`stage3_prefetch_bucket_size` elements, never holding more than `stage3_max_live_parameters`
+gathered. When the order changes (data-dependent control flow) prefetching stops for that
+iteration, which stays correct, and the new order is recorded.
+
+[Note: rank agreement] Every use first checks, with one 2-element all-reduce, that all ranks are
+about to use the same unit. Ranks that took different code paths would otherwise pair
+mismatched collectives and hang or compute garbage; instead every rank fails with both units'
+names.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from zerokit.config.schema import ZeroConfig
+from zerokit.core.collectives import Comm, CollectiveError
+from zerokit.core.unit import Unit, WeightState
+
+
+class Stage3Scheduler:
+    def __init__(self, units: list[Unit], comm: Comm, cfg: ZeroConfig, root: torch.nn.Module):
+        self.units = units
+        self.comm = comm
+        self.root = root
+        self.prefetch_numel = cfg.stage3_prefetch_bucket_size
+        self.max_live_numel = cfg.stage3_max_live_parameters
+        self.max_reuse_distance = cfg.stage3_max_reuse_distance
+        self.reshard_after_forward = cfg.reshard_after_forward
+        for u in units:
+            u.persistent = u.numel <= cfg.stage3_param_persistence_threshold
+        self.trace: list[Unit] = []      # uses of the last recorded iteration
+        self._recording: list[Unit] = []
+        self._pos = 0
+        self._following = False          # the current iteration matches `trace` so far
+
+    # ---- events (called by the engine's hooks) -------------------------------------------------
+    def start_iteration(self) -> None:
+        """The root module's forward begins; an iteration without backward (eval) ends here."""
+        if self._recording:
+            self._finish_iteration()
+        self._following = bool(self.trace)
+
+    def use(self, unit: Unit) -> None:
+        """Before a unit's forward or backward: its weights must be gathered when this returns."""
+        self._check_ranks_agree(unit)
+        if self._following and (self._pos >= len(self.trace) or self.trace[self._pos] is not unit):
+            self._following = False  # the order changed: stay correct, stop predicting, re-record
+        self._recording.append(unit)
+        self._pos += 1
+        unit.gather()
+        if self._following:
+            self._prefetch()
+        unit.wait_weights()
+
+    def after_forward(self, unit: Unit, output: Any) -> Any:
+        """Arrange the pre-backward gather, and release now unless the unit is used again soon."""
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(self._pre_backward_hook(unit))
+        if unit.module is not self.root and self.reshard_after_forward and not self._reused_soon(unit):
+            unit.release()
+        return output
+
+    def after_backward(self, unit: Unit) -> None:
+        """All of the unit's gradients were produced (and handed to the reduction)."""
+        unit.release()
+
+    def end_backward(self) -> None:
+        for u in self.units:
+            u.release()
+        self._finish_iteration()
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _pre_backward_hook(self, unit: Unit):
+        def hook(grad: torch.Tensor) -> None:
+            if unit.state is not WeightState.GATHERED:
+                self.use(unit)
+        return hook
+
+    def _finish_iteration(self) -> None:
+        if self._recording != self.trace:
+            self.trace = self._recording
+        self._recording = []
+        self._pos = 0
+        self._following = False
+
+    def _live_numel(self) -> int:
+        return sum(u.padded_numel for u in self.units
+                   if u.state is not WeightState.SHARDED and not u.persistent)
+
+    def _prefetch(self) -> None:
+        budget = self.prefetch_numel
+        live = self._live_numel()
+        for u in self.trace[self._pos:]:
+            if u.state is not WeightState.SHARDED:
+                continue
+            if u.padded_numel > budget or live + u.padded_numel > self.max_live_numel:
+                break
+            u.gather()
+            budget -= u.padded_numel
+            live += u.padded_numel
+
+    def _reused_soon(self, unit: Unit) -> bool:
+        """Is the unit used again within max_reuse_distance elements of other units' use?"""
+        if not self._following:
+            return False
+        distance = 0
+        for u in self.trace[self._pos:]:
+            if u is unit:
+                return self._live_numel() <= self.max_live_numel
+            distance += u.padded_numel
+            if distance > self.max_reuse_distance:
+                return False
+        return False
+
+    def _check_ranks_agree(self, unit: Unit) -> None:
+        """See [Note: rank agreement]."""
+        if self.comm.world_size == 1:
+            return
+        t = torch.tensor([unit.index, -unit.index], dtype=torch.int64, device=self.comm.device)
+        self.comm.all_reduce_(t, f"unit '{unit.name}' (rank agreement)", op=dist.ReduceOp.MAX)
+        hi, lo = int(t[0]), -int(t[1])
+        if hi != lo:
+            names = {u.index: u.name for u in self.units}
+            raise CollectiveError(
+                f"rank {self.comm.rank}: ranks diverged at ZeRO-3 iteration use #{self._pos}: this rank "
+                f"is about to use unit '{unit.name}' while another rank uses unit "
+                f"'{names.get(hi if hi != unit.index else lo, '?')}'. Every rank must run the same "
+                f"modules in the same order (data-dependent branches must agree across ranks).")
