@@ -98,6 +98,7 @@ class Unit:
         self._build_buffers()
         self._ready: set[int] = set()
         self._launched = False
+        self.used = False  # got a gradient since the last step (see Engine._skip_unused)
         self._gather_handle: Handle | None = None
         self.index = -1  # position in the engine's unit list; set by the engine
         self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
@@ -186,6 +187,7 @@ class Unit:
                 view.copy_(param.grad.reshape(-1)) if param.grad is not None else view.zero_()
                 param.grad = view.view(slot.shape)
         self._ready.add(index)
+        self.used = True
         if reduce_now and len(self._ready) == len(self.slots):
             return self.launch_reduce()
         return None
@@ -310,6 +312,7 @@ class Unit:
             self._release_bytes = None
 
     def zero_grad(self) -> None:
+        self.used = False
         if self.master_grad is not None:
             self.master_grad.zero_()
         if self.grad_acc is not None:

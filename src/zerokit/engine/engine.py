@@ -179,7 +179,12 @@ class Engine(nn.Module):
             if coef != 1.0:
                 for u in trainable:
                     u.master_grad.mul_(coef)
+            unused = self._unused_everywhere(trainable)
+            for u in unused:  # torch skips parameters without a gradient; so do we, per unit
+                u.master.grad = None
             self.optimizer.step()
+            for u in unused:
+                u.master.grad = u.master_grad
             # In the order forward will need them; each unit's forward pre-hook waits for its own.
             for u in sorted(trainable, key=lambda u: u.module is not self.module):
                 u.publish_weights()
@@ -204,6 +209,13 @@ class Engine(nn.Module):
                 line += " | ms/step: " + ", ".join(f"{k} {v / n * 1e3:.1f}" for k, v in self._timers.items())
             log.info(line)
         self._timers = dict.fromkeys(self._timers, 0.0)
+
+    def _unused_everywhere(self, units: list[Unit]) -> list[Unit]:
+        """Units no rank produced a gradient for since the last step (one small all-reduce)."""
+        used = torch.tensor([u.used for u in units], dtype=torch.uint8, device=self.comm.device)
+        if self.comm.world_size > 1:
+            self.comm.all_reduce_(used, "the used-units flags", op=torch.distributed.ReduceOp.MAX)
+        return [u for u, flag in zip(units, used.tolist()) if not flag]
 
     def wait_for_weights(self) -> None:
         """Finish gathering the weights of the last step (see [Note: weights in flight])."""

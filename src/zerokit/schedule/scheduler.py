@@ -39,6 +39,7 @@ class Stage3Scheduler:
         self._recording: list[Unit] = []
         self._pos = 0
         self._following = False          # the current iteration matches `trace` so far
+        self.stats = {"uses": 0, "prefetched": 0, "recorded": 0}  # read by tests and reports
 
     # ---- events (called by the engine's hooks) -------------------------------------------------
     def start_iteration(self) -> None:
@@ -54,6 +55,7 @@ class Stage3Scheduler:
             self._following = False  # the order changed: stay correct, stop predicting, re-record
         self._recording.append(unit)
         self._pos += 1
+        self.stats["uses"] += 1
         unit.gather()
         if self._following:
             self._prefetch()
@@ -88,6 +90,7 @@ class Stage3Scheduler:
     def _finish_iteration(self) -> None:
         if self._recording != self.trace:
             self.trace = self._recording
+            self.stats["recorded"] += 1
         self._recording = []
         self._pos = 0
         self._following = False
@@ -105,6 +108,7 @@ class Stage3Scheduler:
             if u.padded_numel > budget or live + u.padded_numel > self.max_live_numel:
                 break
             u.gather()
+            self.stats["prefetched"] += 1
             budget -= u.padded_numel
             live += u.padded_numel
 
