@@ -27,6 +27,13 @@ NATIVE_EXTENSIONS = {
         ["-pthread"],
         ["-pthread"],
     ),
+    "zerokit.optim._host_kernels": (
+        [os.path.join(CSRC, "optim_bindings.cpp")]
+        + [os.path.join(CSRC, "kernels", f) for f in
+           ("dispatch.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")],
+        ["-fopenmp"],
+        ["-fopenmp"],
+    ),
 }
 
 
