@@ -12,6 +12,9 @@ logical shape. Padding elements have zero weight, zero gradient and therefore ze
                 unit is gathered (resized to 0 bytes when released), so parameter views keep their
                 logical shapes and autograd's saved tensors see the weights again when re-gathered.
 - `shard`       stage 3: this rank's compute-dtype shard, the persistent copy of the weights.
+While released, each parameter's `.data` is a NaN placeholder of its logical shape that owns one
+element (zero strides): `p.shape` stays true, reading it cannot crash, computing with it is
+visibly wrong, and writing to it raises. Gathering points the parameters back into `flat`.
 - `grad_flat`   compute-dtype full-size gradients that `p.grad` views point into; only where
                 gradients are reduced once per accumulation boundary (not sharded).
 - `master`      fp32 weights of the optimizer range: this rank's shard if the optimizer state is
@@ -24,6 +27,7 @@ logical shape. Padding elements have zero weight, zero gradient and therefore ze
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from enum import Enum
 
@@ -35,6 +39,16 @@ from zerokit.policy import PartitionPolicy
 from zerokit.tiers import Ledger
 
 ALIGN = 32  # elements per shard boundary: keeps every shard 64-byte aligned for SIMD kernels
+
+
+# Which unit holds a parameter, for GatheredParameters. Keyed by id with a weak reference to check
+# identity: a WeakKeyDictionary would compare tensors with ==, which is element-wise.
+_UNIT_OF: "dict[int, tuple[weakref.ref, Unit]]" = {}
+
+
+def unit_of(param: torch.Tensor) -> "Unit | None":
+    entry = _UNIT_OF.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
 
 
 class WeightState(Enum):
@@ -126,7 +140,9 @@ class Unit:
         for s in self.slots:
             s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
             s.param.grad = None
+            _UNIT_OF[id(s.param)] = (weakref.ref(s.param), self)
         self.shard: torch.Tensor | None = None
+        self._placeholder = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=device)
         self.state = WeightState.GATHERED
         if self.policy.shard_weights:
             lo = self.comm.rank * self.shard_numel
@@ -296,6 +312,15 @@ class Unit:
             handle, self._gather_handle = self._gather_handle, None
             handle.wait()
             self.state = WeightState.GATHERED
+            if self.shard is not None:
+                self._point_params_at(self.flat)
+
+    def _point_params_at(self, flat: torch.Tensor | None) -> None:
+        for s in self.slots:
+            if flat is None:
+                s.param.data = self._placeholder.expand(s.shape)
+            else:
+                s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
 
     def release(self) -> None:
         """Drop the full weights, keeping the shard (stage 3, non-persistent units only)."""
@@ -304,7 +329,28 @@ class Unit:
         self.wait_weights()
         self._free_flat()
 
+    def absorb_edits(self) -> None:
+        """`flat` was edited (and made equal on every rank): carry the edit into shard and master.
+
+        Master elements whose 16-bit rounding did not change keep their fp32 value, so gathering
+        to read (or to edit a few weights) does not lose the master's precision elsewhere.
+        """
+        if self.shard is not None:
+            lo = self.comm.rank * self.shard_numel
+            self.shard.copy_(self.flat[lo:lo + self.shard_numel])
+        if self.master is None:
+            return
+        a, b = self.opt_range
+        new = self.flat[a:b]
+        homes = {new.data_ptr()} | ({self.shard.data_ptr()} if self.shard is not None else set())
+        if self.master.data_ptr() in homes:
+            return  # fp32: the master is these weights
+        with torch.no_grad():
+            changed = new != self.master.to(new.dtype)
+            self.master[changed] = new[changed].float()
+
     def _free_flat(self) -> None:
+        self._point_params_at(None)
         self.flat.untyped_storage().resize_(0)
         self.state = WeightState.SHARDED
         if self._release_bytes is not None:

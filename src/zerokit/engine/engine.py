@@ -249,6 +249,14 @@ class Engine(nn.Module):
                 out[name] = out[canonical[id(p)]]
         return out
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> list[str]:
+        """The consolidated compute-dtype model as safetensors, one unit in memory at a time."""
+        from zerokit.export import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename,
+                                exclude_frozen_parameters=exclude_frozen_parameters)
+
     # ---- checkpoints (zerokit.checkpoint does the work) ----------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> None:

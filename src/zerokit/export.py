@@ -1,0 +1,124 @@
+"""Writing the consolidated 16-bit model as safetensors, one unit in memory at a time.
+
+The safetensors layout (8-byte header length, JSON header of dtype/shape/offsets, raw bytes) is
+known before any weight is gathered, so rank 0 writes the header first and streams each unit's
+tensors into place as the unit is gathered: memory stays at one unit, never the model. Above
+`max_shard_bytes` the model goes into several files plus Hugging Face's index JSON. Files are
+written under a temporary name, fsynced and renamed, so a crash never leaves a half file
+under the final name. Tied weights are stored once, under their first name, as Hugging Face does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import TYPE_CHECKING, BinaryIO
+
+import torch
+
+from zerokit.core.unit import WeightState
+
+if TYPE_CHECKING:
+    from zerokit.engine.engine import Engine
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+
+class _StreamingFile:
+    """One safetensors file whose tensors arrive in header order."""
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str]):
+        header: dict[str, object] = {"__metadata__": metadata}
+        offset = 0
+        for name, dtype, shape in entries:
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path, self.tmp = path, path + ".tmp"
+        self.f: BinaryIO = open(self.tmp, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.expected = [e[0] for e in entries]
+        self.written = 0
+        self.size = offset
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        if self.expected[self.written] != name:
+            raise RuntimeError(f"{self.path}: tensor {name!r} arrived out of order "
+                               f"(expected {self.expected[self.written]!r})")
+        # A copy: numpy on the live weights would pin their storage, which stage 3 must resize.
+        self.f.write(t.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())
+        self.written += 1
+
+    def commit(self) -> None:
+        if self.written != len(self.expected):
+            raise RuntimeError(f"{self.path}: {len(self.expected) - self.written} tensors never written")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.f.close()
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
+
+
+def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "model.safetensors",
+                     max_shard_bytes: int = 5 * 2**30, exclude_frozen_parameters: bool = False) -> list[str]:
+    """Collective: every rank gathers unit by unit; rank 0 writes. Returns the files written."""
+    engine.wait_for_weights()
+    units = [u for u in engine.units if u.trainable or not exclude_frozen_parameters]
+    # Plan: which unit's tensors go to which file, from metadata alone.
+    plan: list[list] = [[]]
+    size = 0
+    for u in units:
+        nbytes = u.numel * u.flat.element_size()
+        if plan[-1] and size + nbytes > max_shard_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append(u)
+        size += nbytes
+    stem, ext = os.path.splitext(save_filename)
+    names = [save_filename] if len(plan) == 1 else [
+        f"{stem}-{i + 1:05d}-of-{len(plan):05d}{ext}" for i in range(len(plan))]
+    rank0 = engine.comm.rank == 0
+    if rank0:
+        os.makedirs(save_dir, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    for file_units, name in zip(plan, names):
+        entries = [(s.fqn, u.compute_dtype, tuple(s.shape)) for u in file_units for s in u.slots]
+        out = _StreamingFile(os.path.join(save_dir, name), entries, {"format": "pt"}) if rank0 else None
+        try:
+            for u in file_units:
+                gathered = u.state is WeightState.SHARDED
+                u.gather()
+                u.wait_weights()
+                if out is not None:
+                    for s in u.slots:
+                        out.write(s.fqn, u.flat[s.offset:s.offset + s.numel].view(s.shape))
+                        weight_map[s.fqn] = name
+                if gathered:
+                    u.release()
+            if out is not None:
+                out.commit()
+        except BaseException:
+            if out is not None:
+                out.abort()
+            raise
+    if rank0 and len(names) > 1:
+        index = {"metadata": {"total_size": sum(u.numel * u.flat.element_size() for u in units)},
+                 "weight_map": weight_map}
+        path = os.path.join(save_dir, f"{stem}{ext}.index.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(index, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    engine.comm.barrier("save_16bit_model")
+    return [os.path.join(save_dir, n) for n in names]
+
