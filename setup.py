@@ -31,7 +31,9 @@ NATIVE_EXTENSIONS = {
         [os.path.join(CSRC, "optim_bindings.cpp")]
         + [os.path.join(CSRC, "kernels", f) for f in
            ("dispatch.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")],
-        ["-fopenmp"],
+        # fp-contract off: fused multiply-adds only where the kernels write them, so every ISA
+        # rounds as torch does (GCC would otherwise fuse p * decay + update).
+        ["-fopenmp", "-ffp-contract=off"],
         ["-fopenmp"],
     ),
 }

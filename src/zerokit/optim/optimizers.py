@@ -46,6 +46,9 @@ class _HostOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
+            # Groups loaded from another optimizer's state dict (torch's) lack our own keys.
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -95,6 +98,13 @@ class HostAdam(_HostOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw_mode=adamw_mode, bias_correction=bias_correction, maximize=maximize)
         super().__init__(params, defaults, impl, threads)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch.optim.Adam/AdamW record the decay mode as decoupled_weight_decay.
+        for group in self.param_groups:
+            if "adamw_mode" not in group and "decoupled_weight_decay" in group:
+                group["adamw_mode"] = bool(group["decoupled_weight_decay"])
 
     def _init_state(self, p, state, group):
         state["exp_avg"] = _zeros(p)
