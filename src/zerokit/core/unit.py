@@ -184,13 +184,15 @@ class Unit:
             s.param.grad = self.grad_flat[s.offset:s.offset + s.numel].view(s.shape)
 
     def _sync_initial_values(self) -> None:
-        """Every rank starts from rank 0's weights, as DDP does (seeds may differ per rank)."""
+        """Every rank starts from rank 0's weights, as DDP does (seeds may differ per rank).
+
+        One broadcast per parameter, in place: a concatenated copy would double the peak of the
+        largest unit, which zero.Init's per-rank budget cannot afford.
+        """
         if self.comm.world_size == 1:
             return
-        flat = torch.cat([s.param.detach().reshape(-1).to(self.device) for s in self.slots])
-        self.comm.broadcast_(flat, src=0, where=self.name)
         for s in self.slots:
-            s.param.data.copy_(flat[s.offset:s.offset + s.numel].view(s.shape))
+            self.comm.broadcast_(s.param.data, src=0, where=f"{self.name} ({s.fqn})")
 
     # ---- backward -----------------------------------------------------------------------------
     def on_grad_ready(self, param: nn.Parameter, index: int, reduce_now: bool) -> Handle | None:
@@ -348,6 +350,19 @@ class Unit:
         with torch.no_grad():
             changed = new != self.master.to(new.dtype)
             self.master[changed] = new[changed].float()
+
+    def retire(self) -> None:
+        """Give up the parameters to another unit (zero.Init's construction units): free our
+        buffers and forget the parameters without touching their `.data`."""
+        for s in self.slots:
+            if unit_of(s.param) is self:
+                del _UNIT_OF[id(s.param)]
+        self.flat.untyped_storage().resize_(0)
+        self.shard = None
+        self.state = WeightState.SHARDED
+        if self._release_bytes is not None:
+            self._release_bytes()
+            self._release_bytes = None
 
     def _free_flat(self) -> None:
         self._point_params_at(None)

@@ -16,6 +16,7 @@ from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.schedulers import build_scheduler
 from zerokit.policy import PartitionPolicy
 from zerokit.tiers import Ledger
+from zerokit.zero import adopt_constructed, retire_constructed
 
 
 def initialize(model: nn.Module, optimizer: Any = None,
@@ -42,14 +43,20 @@ def initialize(model: nn.Module, optimizer: Any = None,
         if buf.is_floating_point():
             buf.data = buf.data.to(dtype)
     ledger = Ledger()
-    units = [
-        Unit(name, params, module=module, trainable=trainable, group_index=group, comm=comm, policy=policy,
-             compute_dtype=dtype, reduce_dtype=reduce_dtype(cfg),
-             bucket_numel=cfg.zero_optimization.reduce_bucket_size, ledger=ledger,
-             grad_accum_steps=batch[2])
-        for name, module, group, trainable, params in group_parameters(
-            model, select_modules(model, wrap), recipe.group_of)
-    ]
+    units = []
+    for name, module, group, trainable, params in group_parameters(
+            model, select_modules(model, wrap), recipe.group_of):
+        # Weights built under zero.Init are sharded per module: gather them (one unit's worth)
+        # to lay them out as this unit, then free the construction shards.
+        constructed = adopt_constructed(model, [p for _, p in params])
+        units.append(Unit(name, params, module=module, trainable=trainable, group_index=group,
+                          comm=comm, policy=policy, compute_dtype=dtype,
+                          reduce_dtype=reduce_dtype(cfg),
+                          bucket_numel=cfg.zero_optimization.reduce_bucket_size, ledger=ledger,
+                          grad_accum_steps=batch[2]))
+        for u in constructed:
+            u.retire()
+    retire_constructed(model)
     for index, unit in enumerate(units):
         unit.index = index
     masters = [[u.master for u in units if u.trainable and u.group_index == g]

@@ -31,6 +31,7 @@ class CausalSelfAttention(nn.Module):
         assert cfg.n_embd % cfg.n_head == 0, "n_embd must be divisible by n_head"
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_layers = cfg.n_layer  # GPT-2's scaled init, see GPT._init_weights
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
 
@@ -52,6 +53,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_layers = cfg.n_layer
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,15 +89,17 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight
+        # Module by module (not over named_parameters), so that zerokit.zero.Init can gather each
+        # module's weights around its own initialisation.
         self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            # GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer).
+            layers = getattr(module, "residual_layers", None)
+            std = 0.02 / math.sqrt(2 * layers) if layers else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
