@@ -15,7 +15,7 @@ struct AdagradOp {
         neg_clr(S::set1(s.neg_clr)), l2(s.l2) {}
 
   // Same order as torch.optim.Adagrad: sum += g*g; std = sqrt(sum) + eps; p += (-clr * g) / std.
-  template <DType G, DType O>
+  template <DType G, DType O, bool NT>
   void apply(const StepBuffers& b, int64_t i) const {
     F g = S::mul(load_grad<S, G>(b.grad, i), grad_scale);
     F p = S::load(b.param + i);
@@ -25,7 +25,7 @@ struct AdagradOp {
     p = S::add(p, S::div(S::mul(neg_clr, g), std_));
     S::store(b.state0 + i, sum);
     S::store(b.param + i, p);
-    store_out16<S, O>(b.out16, i, p);
+    store_out16<S, O, NT>(b.out16, i, p);
   }
 };
 

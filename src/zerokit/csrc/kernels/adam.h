@@ -22,7 +22,7 @@ struct AdamOp {
 
   // The order of operations follows torch.optim.Adam's single-tensor path (lerp_ for exp_avg,
   // mul_/addcmul_ for exp_avg_sq, addcdiv_ for the param) so the two agree to an ulp or so.
-  template <DType G, DType O>
+  template <DType G, DType O, bool NT>
   void apply(const StepBuffers& b, int64_t i) const {
     F g = S::mul(load_grad<S, G>(b.grad, i), grad_scale);
     F p = S::load(b.param + i);
@@ -39,7 +39,7 @@ struct AdamOp {
     S::store(b.state0 + i, m);
     S::store(b.state1 + i, v);
     S::store(b.param + i, p);
-    store_out16<S, O>(b.out16, i, p);
+    store_out16<S, O, NT>(b.out16, i, p);
   }
 };
 

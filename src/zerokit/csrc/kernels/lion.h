@@ -21,7 +21,7 @@ struct LionOp {
   // Each blend is round(m*beta) then fused with g*(1-beta), which is what torch's
   // m.mul(beta).add(g, alpha=1-beta) computes; matching it matters because a last-bit difference
   // near zero flips the sign and moves the param by 2*lr.
-  template <DType G, DType O>
+  template <DType G, DType O, bool NT>
   void apply(const StepBuffers& b, int64_t i) const {
     const F g = S::mul(load_grad<S, G>(b.grad, i), grad_scale);
     F p = S::load(b.param + i);
@@ -32,7 +32,7 @@ struct LionOp {
     m = S::fmadd(g, one_minus_beta2, S::mul(m, beta2));
     S::store(b.state0 + i, m);
     S::store(b.param + i, p);
-    store_out16<S, O>(b.out16, i, p);
+    store_out16<S, O, NT>(b.out16, i, p);
   }
 };
 

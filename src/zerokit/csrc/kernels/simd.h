@@ -14,6 +14,8 @@
 //   sign(x)                  -1, 0 or +1; NaN stays NaN (torch.sign)
 //   load_bf16, load_f16      W 16-bit values widened to float, exactly
 //   store_bf16, store_f16    round-to-nearest-even narrowing, bit-identical to torch's .to()
+//   store_*16_nt, fence      non-temporal narrowing stores (W*2-byte aligned), and the sfence
+//                            that orders them before the range is reported done
 //   dzero, sq_acc(lo, hi, x) lo/hi += x*x in double (low and high half of the lanes)
 //   dsum(D)                  horizontal sum of a double vector
 //

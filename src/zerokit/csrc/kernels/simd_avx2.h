@@ -36,8 +36,8 @@ struct Avx2 {
   static F load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  // Same rounding as Avx512::store_bf16; see there.
-  static void store_bf16(uint16_t* p, F x) {
+  // Same rounding as Avx512::narrow_bf16; see there.
+  static __m128i narrow_bf16(F x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
@@ -45,12 +45,15 @@ struct Avx2 {
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     // packus works within 128-bit lanes; the permute brings the two halves together.
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
   }
-  static void store_f16(uint16_t* p, F x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  }
+  static __m128i narrow_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
+  static void store_bf16(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow_bf16(x)); }
+  static void store_f16(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow_f16(x)); }
+  // See Avx512::store_bf16_nt. p: 16-byte aligned.
+  static void store_bf16_nt(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), narrow_bf16(x)); }
+  static void store_f16_nt(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), narrow_f16(x)); }
+  static void fence() { _mm_sfence(); }
 
   static D dzero() { return _mm256_setzero_pd(); }
   static void sq_acc(D& lo, D& hi, F x) {

@@ -59,6 +59,10 @@ struct Scalar {
     *p = static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
   }
 
+  static void store_bf16_nt(uint16_t* p, F x) { store_bf16(p, x); }
+  static void store_f16_nt(uint16_t* p, F x) { store_f16(p, x); }
+  static void fence() {}
+
   static D dzero() { return 0.0; }
   static void sq_acc(D& lo, D& /*hi*/, F x) { lo += static_cast<double>(x) * static_cast<double>(x); }
   static D dadd(D a, D b) { return a + b; }
