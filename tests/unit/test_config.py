@@ -77,4 +77,5 @@ def test_config_surface_is_locked() -> None:
     assert sorted(ZeroKitConfig.model_fields) == sorted([
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
         "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
-        "communication_data_type", "steps_per_print", "wall_clock_breakdown", "comm_timeout_s"])
+        "communication_data_type", "steps_per_print", "wall_clock_breakdown", "comm_timeout_s",
+        "checkpoint"])

@@ -1,11 +1,16 @@
-"""Checkpoints: sharded save/load, exact resume, resharding, consolidation."""
+"""Checkpoints: sharded save/load, exact resume, resharding, consolidation.
+
+    engine.save_checkpoint(dir)                     # -> dir/global_step{N}, dir/latest
+    path, client_state = engine.load_checkpoint(dir)
+    zerokit convert dir out/                        # one safetensors model (see consolidate.py)
+
+See docs/checkpoint.md and [Note: checkpoint layout] in metadata.py.
+"""
 from __future__ import annotations
 
+from zerokit.checkpoint.load import IncompleteCheckpointError, load_checkpoint
+from zerokit.checkpoint.save import save_checkpoint, wait_for_checkpoint
+from zerokit.checkpoint.storage import CheckpointWriteError
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True):
-    raise NotImplementedError("engine.save_checkpoint is not implemented yet (issue: checkpoints)")
-
-
-def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                    load_lr_scheduler_states=True, load_module_only=False):
-    raise NotImplementedError("engine.load_checkpoint is not implemented yet (issue: checkpoints)")
+__all__ = ["save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "IncompleteCheckpointError",
+           "CheckpointWriteError"]

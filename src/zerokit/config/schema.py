@@ -110,6 +110,12 @@ class ZeroConfig(_Section):
                           "it gathered until its backward, trading memory for one all-gather.")
 
 
+class CheckpointConfig(_Section):
+    async_save: bool = Field(
+        False, description="zerokit: save_checkpoint copies the shards to host memory and returns; "
+                           "a background thread writes and commits (the next save or load waits).")
+
+
 class ZeroKitConfig(_Section):
     train_batch_size: int | None = Field(None, gt=0)
     train_micro_batch_size_per_gpu: int | None = Field(None, gt=0)
@@ -120,6 +126,7 @@ class ZeroKitConfig(_Section):
     bf16: BF16Config = BF16Config()
     gradient_clipping: float = Field(0.0, ge=0, description="Max global gradient norm; 0 disables.")
     zero_optimization: ZeroConfig = ZeroConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
         None, description="dtype of gradient collectives; default fp32 for bf16, else the compute dtype.")
     steps_per_print: int = Field(10, gt=0)

@@ -1,0 +1,230 @@
+"""engine.load_checkpoint: validate the tag, reshard by parameter name, restore everything.
+
+Each rank reads only the element ranges it now owns (its optimizer range; the whole unit where the
+weights are replicated and the unit has no master), from whichever saved ranks' files hold them:
+see [Note: checkpoint layout]. The saved world size, stage and dtype need not match.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from zerokit.checkpoint.metadata import COMMON, FORMAT, META, Layout, check_names, overlaps, rank_file, shard_file
+from zerokit.checkpoint.save import LATEST, _sampler, persistent_buffers, wait_for_checkpoint
+from zerokit.checkpoint.storage import ShardFile
+from zerokit.core.unit import WeightState
+
+if TYPE_CHECKING:
+    from zerokit.engine.engine import Engine
+
+log = logging.getLogger("zerokit")
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """The tag is torn (a save that did not finish, or files lost since): it is never loaded."""
+
+
+def resolve_tag(load_dir: str, tag: Any) -> str | None:
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def read_meta(path: str) -> dict:
+    """meta.json of a complete tag, after checking that every file it lists is there, whole."""
+    tag_dir, tag = os.path.dirname(path), os.path.basename(path)
+    if not os.path.isdir(path):
+        tmp = os.path.join(tag_dir, f".tmp-{tag}")
+        if os.path.isdir(tmp):
+            raise IncompleteCheckpointError(
+                f"checkpoint {path} was never completed: only its temporary directory {tmp} exists "
+                f"(a save that did not finish); load an earlier tag")
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    meta_path = os.path.join(path, META)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"checkpoint {path} is incomplete: {META} is missing") from None
+    except json.JSONDecodeError as e:
+        raise IncompleteCheckpointError(f"checkpoint {path} is incomplete: {META} is torn ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a zerokit checkpoint (format {meta.get('format')!r})")
+    problems = []
+    for name, size in meta["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            problems.append(f"{name} is missing")
+        elif os.path.getsize(file) != size:
+            problems.append(f"{name} has {os.path.getsize(file)} bytes, expected {size}")
+    expected = {shard_file(r) for r in range(meta["world_size"])} | {COMMON}
+    problems += [f"{name} is not listed" for name in sorted(expected - set(meta["files"]))]
+    if problems:
+        raise IncompleteCheckpointError(f"checkpoint {path} is incomplete: " + "; ".join(problems))
+    return meta
+
+
+class SavedTensors:
+    """Rank files of one tag opened on demand; reads the pieces of a parameter range."""
+
+    def __init__(self, path: str, layout: Layout):
+        self.path, self.layout = path, layout
+        self.files: dict[int, ShardFile] = {}
+
+    def read(self, name: str, kind: str, lo: int, hi: int, out: torch.Tensor, dst_lo: int) -> None:
+        for piece in self.layout.pieces(name, kind, lo, hi, dst_lo):
+            f = self.files.get(piece.rank)
+            if f is None:
+                f = self.files[piece.rank] = ShardFile(os.path.join(self.path, shard_file(piece.rank)))
+            f.read_range(piece.tensor, piece.lo, piece.hi, out[piece.dst_lo:piece.dst_hi])
+
+    def fill(self, unit, kind: str, a: int, b: int, out: torch.Tensor, names: set[str]) -> None:
+        """out[i] = element a + i of the unit's flat layout, from the saved `kind`; padding is 0."""
+        staging = out if out.device.type == "cpu" and out.is_contiguous() else \
+            torch.zeros(b - a, dtype=out.dtype)
+        for s, lo, hi in overlaps(unit.slots, a, b):
+            if s.fqn in names:
+                self.read(s.fqn, kind, lo, hi, staging, s.offset + lo - a)
+        if staging is not out:
+            out.copy_(staging)
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, dict | None]:
+    """Collective. Returns (tag directory, client_state), or (None, None) if there is no `latest`."""
+    wait_for_checkpoint(engine)
+    engine.comm.barrier("load_checkpoint (previous saves committed)")
+    resolved = resolve_tag(load_dir, tag)
+    if resolved is None:
+        log.warning("no 'latest' file in %s: nothing loaded (pass tag= to load a specific one)", load_dir)
+        return None, None
+    path = os.path.join(load_dir, resolved)
+    meta = read_meta(path)
+    layout = Layout(meta)
+    names = set(check_names(layout, engine, load_module_strict))
+    common = torch.load(os.path.join(path, COMMON), map_location="cpu", weights_only=False)
+    engine.wait_for_weights()
+    saved = SavedTensors(path, layout)
+    try:
+        with torch.no_grad():
+            _load_weights(engine, saved, names)
+            if load_optimizer_states and not load_module_only:
+                _load_optimizer(engine, saved, layout, names, common)
+    finally:
+        saved.close()
+    _load_buffers(engine, common["buffers"], load_module_strict)
+    if not load_module_only:
+        _load_training_state(engine, common, path, load_optimizer_states, load_lr_scheduler_states)
+    engine.comm.barrier("load_checkpoint")
+    return path, common["client_state"]
+
+
+def _load_weights(engine: "Engine", saved: SavedTensors, names: set[str]) -> None:
+    """Masters (and through them the compute weights), or a frozen unit's weights directly."""
+    rank = engine.comm.rank
+    for u in engine.units:
+        if u.trainable:
+            a, b = u.opt_range
+            saved.fill(u, "values", a, b, u.master.data, names)
+            u.publish_weights()  # master -> compute weights (-> shard) -> every rank
+            u.wait_weights()
+            continue
+        if u.shard is not None:  # stage 3: the shard is the home of a frozen unit's weights
+            lo = rank * u.shard_numel
+            saved.fill(u, "values", lo, lo + u.shard_numel, u.shard, names)
+            if u.state is not WeightState.SHARDED:
+                saved.fill(u, "values", 0, u.padded_numel, u.flat, names)
+        else:
+            saved.fill(u, "values", 0, u.padded_numel, u.flat, names)
+
+
+def _load_optimizer(engine: "Engine", saved: SavedTensors, layout: Layout, names: set[str],
+                    common: dict) -> None:
+    opt = engine.optimizer
+    groups = common["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(groups)} param groups, this one has "
+                         f"{len(opt.param_groups)}; pass load_optimizer_states=False to load weights only")
+    for group, saved_group in zip(opt.param_groups, groups):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    for u in engine.units:
+        if not u.trainable:
+            continue
+        sources = {layout.params[s.fqn].unit["name"]: layout.params[s.fqn].unit
+                   for s in u.slots if s.fqn in names}
+        if not sources:
+            continue
+        keysets = {tuple(m["optim_keys"]) for m in sources.values() if m["trainable"]}
+        if len(keysets) != 1:
+            raise ValueError(f"unit {u.name}: its parameters come from saved units with different "
+                             f"optimizer state ({sorted(keysets)}); cannot merge them")
+        (keys,) = keysets
+        opt.state.pop(u.master, None)
+        if not keys:  # never stepped: no state, as a fresh optimizer
+            continue
+        a, b = u.opt_range
+        state: dict[str, Any] = {}
+        first = next(iter(sources))
+        for k, v in common["optim_scalars"].get(first, {}).items():
+            state[k] = v.to(u.master.device) if torch.is_tensor(v) and v.dim() > 0 else v
+        for k in keys:
+            t = torch.zeros_like(u.master, dtype=torch.float32)
+            saved.fill(u, f"optim.{k}", a, b, t, names)
+            state[k] = t
+        opt.state[u.master] = state
+
+
+def _load_buffers(engine: "Engine", buffers: dict[str, torch.Tensor], strict: bool) -> None:
+    ours = dict(persistent_buffers(engine.module))
+    missing = sorted(set(ours) - set(buffers))
+    if strict and missing:
+        raise RuntimeError(f"error loading the checkpoint: missing buffers {missing}")
+    with torch.no_grad():
+        for name, buf in ours.items():
+            if name in buffers:
+                if buffers[name].shape != buf.shape:
+                    raise RuntimeError(f"size mismatch for buffer {name}: checkpoint has shape "
+                                       f"{list(buffers[name].shape)}, the model has {list(buf.shape)}")
+                buf.copy_(buffers[name])
+
+
+def _load_training_state(engine: "Engine", common: dict, path: str, load_optimizer_states: bool,
+                         load_lr_scheduler_states: bool) -> None:
+    for k, v in common["counters"].items():
+        setattr(engine, k, v)
+    engine.loss_scaler.load_state_dict(common["loss_scaler"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(common["lr_scheduler"])
+        if not load_optimizer_states:  # the learning rates live in the optimizer's param groups
+            for group, saved in zip(engine.optimizer.param_groups, common["param_groups"]):
+                group["lr"] = saved["lr"]
+    rank_path = os.path.join(path, rank_file(engine.comm.rank))
+    if not os.path.exists(rank_path):
+        log.warning("%s has no state for rank %d (saved with %d ranks): RNG and data position not "
+                    "restored on this rank", path, engine.comm.rank, common.get("world_size", "fewer"))
+        return
+    rank_state = torch.load(rank_path, map_location="cpu", weights_only=False)
+    rng = rank_state["rng"]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    sampler = _sampler(engine)
+    if sampler is not None and rank_state["dataloader"] is not None:
+        sampler.load_state_dict(rank_state["dataloader"])

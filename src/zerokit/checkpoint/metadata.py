@@ -1,0 +1,167 @@
+"""What a checkpoint holds and where: the layout record and the resharding arithmetic.
+
+[Note: checkpoint layout]
+A tag directory holds
+    meta.json                 this file's `describe()`: every unit's layout, every parameter's
+                              name / shape / dtype / offset, the files of the tag and their sizes
+    common.pt                 rank 0: client_state, lr scheduler, loss scaler, counters,
+                              optimizer param_groups and per-unit scalar optimizer state (`step`),
+                              module buffers
+    rank{r:05d}.safetensors   rank r's saved range of every unit, one 1-D tensor per kind:
+                              `{unit}/master` (fp32; trainable units), `{unit}/optim.{key}`
+                              (optimizer state shaped like the master: exp_avg, ...),
+                              `{unit}/weights` (compute dtype; frozen units, which have no master)
+    rank{r:05d}.pt            rank r's RNG states and data-loader position
+Rank r's saved range of a unit is always elements [r * shard_numel, (r + 1) * shard_numel) of
+the unit's flat buffer (see [Note: unit layout]), at every stage: where the state is partitioned
+that is what the rank owns; where it is replicated (stage 0, or the weights below stage 3) every
+rank owns it all and writes only that slice, so writes are parallel and nothing is written twice.
+16-bit compute weights of trainable units are not saved: they are the master rounded.
+
+Reading is the overlap of ranges: parameter p lies at [offset, offset + numel) of its saved unit,
+so its element i is in rank (offset + i) // shard_numel's file at (offset + i) % shard_numel.
+The ranges a rank now owns (its optimizer range, any world size, any stage) are mapped through
+the parameters they cover, so loading never needs the saved world size, stage or unit boundaries
+to match.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from zerokit.checkpoint.storage import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    from zerokit.engine.engine import Engine
+
+FORMAT = "zerokit-checkpoint"
+VERSION = 1
+META = "meta.json"
+COMMON = "common.pt"
+
+
+def shard_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+def done_marker(rank: int) -> str:
+    return f"rank{rank:05d}.done"
+
+
+def values_kind(unit_meta: dict) -> str:
+    """The saved tensor that holds a unit's values: the fp32 master, or a frozen unit's weights."""
+    return "master" if unit_meta["trainable"] else "weights"
+
+
+def saved_range(unit, rank: int) -> tuple[int, int]:
+    return rank * unit.shard_numel, (rank + 1) * unit.shard_numel
+
+
+def describe(engine: "Engine", optim_keys: dict[str, list[str]]) -> dict:
+    """The layout part of meta.json (files are added at commit)."""
+    canonical = {id(p): n for n, p in engine.module.named_parameters()}
+    aliases = {n: canonical[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False)
+               if canonical[id(p)] != n}
+    units = []
+    for u in engine.units:
+        units.append({
+            "name": u.name, "numel": u.numel, "padded_numel": u.padded_numel,
+            "shard_numel": u.shard_numel, "trainable": u.trainable, "group_index": u.group_index,
+            "ranges": [list(saved_range(u, r)) for r in range(u.comm.world_size)],
+            "optim_keys": optim_keys.get(u.name, []),
+            "params": [{"name": s.fqn, "shape": list(s.shape), "dtype": DTYPE_NAMES[u.compute_dtype],
+                        "offset": s.offset, "numel": s.numel} for s in u.slots],
+        })
+    return {"format": FORMAT, "version": VERSION, "world_size": engine.comm.world_size,
+            "stage": engine.config.zero_optimization.stage,
+            "compute_dtype": DTYPE_NAMES[engine.units[0].compute_dtype],
+            "aliases": aliases, "units": units}
+
+
+@dataclass(frozen=True)
+class SavedParam:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    unit: dict
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [lo, hi) of tensor `tensor` in rank `rank`'s file go to [dst_lo, dst_hi) of the target."""
+
+    rank: int
+    tensor: str
+    lo: int
+    hi: int
+    dst_lo: int
+    dst_hi: int
+
+
+class Layout:
+    """The saved layout, indexed by parameter name."""
+
+    def __init__(self, meta: dict):
+        self.meta = meta
+        self.world_size = meta["world_size"]
+        self.params: dict[str, SavedParam] = {}
+        for u in meta["units"]:
+            for p in u["params"]:
+                self.params[p["name"]] = SavedParam(p["name"], tuple(p["shape"]), p["offset"], p["numel"], u)
+        self.aliases: dict[str, str] = meta.get("aliases", {})
+
+    def pieces(self, name: str, kind: str, lo: int, hi: int, dst_lo: int) -> Iterator[Piece]:
+        """Where elements [lo, hi) of parameter `name` lie in the rank files (kind: master, optim.*)."""
+        p = self.params[name]
+        shard = p.unit["shard_numel"]
+        tensor = f"{p.unit['name']}/{values_kind(p.unit) if kind == 'values' else kind}"
+        pos, end = p.offset + lo, p.offset + hi
+        while pos < end:
+            rank = pos // shard
+            stop = min(end, (rank + 1) * shard)
+            yield Piece(rank, tensor, pos - rank * shard, stop - rank * shard,
+                        dst_lo + pos - p.offset - lo, dst_lo + stop - p.offset - lo)
+            pos = stop
+
+
+def overlaps(slots, a: int, b: int) -> Iterator[tuple[object, int, int]]:
+    """(slot, lo, hi): the part [lo, hi) of each parameter (its own element index) in [a, b)."""
+    for s in slots:
+        lo, hi = max(s.offset, a), min(s.offset + s.numel, b)
+        if lo < hi:
+            yield s, lo - s.offset, hi - s.offset
+
+
+def check_names(layout: Layout, engine: "Engine", strict: bool) -> list[str]:
+    """Missing / unexpected parameters and shape mismatches, as DeepSpeed/torch name them.
+
+    Returns the names of this engine's parameters the checkpoint has (the ones to load).
+    """
+    ours = {s.fqn: tuple(s.shape) for u in engine.units for s in u.slots}
+    mismatched = [f"{n}: checkpoint has shape {list(layout.params[n].shape)}, the model has {list(shape)}"
+                  for n, shape in ours.items() if n in layout.params and layout.params[n].shape != shape]
+    if mismatched:
+        raise RuntimeError("size mismatch loading the checkpoint:\n  " + "\n  ".join(mismatched))
+    missing = sorted(set(ours) - set(layout.params))
+    unexpected = sorted(set(layout.params) - set(ours))
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing keys (in the model, not in the checkpoint): {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys (in the checkpoint, not in the model): {unexpected}")
+        raise RuntimeError("error loading the checkpoint (load_module_strict=True): " + "; ".join(parts))
+    return [n for n in ours if n in layout.params]
+
+
+def dtype_of(name: str) -> torch.dtype:
+    from zerokit.checkpoint.storage import DTYPE_BY_NAME
+
+    return DTYPE_BY_NAME[name]

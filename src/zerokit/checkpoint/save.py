@@ -1,0 +1,285 @@
+"""engine.save_checkpoint: snapshot, write in parallel, commit atomically.
+
+The protocol, as four steps (DCP's plan / write / commit, plus an explicit agreement):
+1. prepare   rank 0 makes a clean temporary directory `.tmp-{tag}` beside the tags; all agree.
+2. snapshot  each rank takes what it owns (see [Note: checkpoint layout]): views of its ranges
+             when saving synchronously, copies to host memory when saving asynchronously (the
+             only training stall of an async save).
+3. write     each rank writes its own files, fsyncs them and then a `rank{r}.done` marker that
+             lists them with their sizes. Ranks agree that every write succeeded (one all-reduce
+             of a failure flag, which is also the barrier), or rank 0 removes the temporary
+             directory and every rank raises.
+4. commit    rank 0 checks every marker, writes meta.json (with the file list and sizes),
+             fsyncs, renames `.tmp-{tag}` to `{tag}`, fsyncs the parent, then replaces `latest`
+             (temp + fsync + os.replace). Until the rename the tag does not exist; until the
+             `latest` replace, `latest` names the previous complete tag. A kill at any moment
+             therefore leaves the previous checkpoint loadable.
+Asynchronously, steps 3-4 run on a background thread per rank with no collectives: rank 0's
+thread waits for the other ranks' markers in the file system (or a `rank{r}.failed` marker, or
+the comm timeout) before it commits. The next save, a load, or `wait_for_checkpoint` waits.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import os
+import random
+import shutil
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+
+from zerokit.checkpoint.dataloader import ResumableDistributedSampler
+from zerokit.checkpoint.metadata import (COMMON, META, describe, done_marker, rank_file, saved_range,
+                                         shard_file)
+from zerokit.checkpoint.storage import (CheckpointWriteError, fsync_dir, save_shard_file,
+                                        write_bytes_atomic, write_error, write_json)
+
+if TYPE_CHECKING:
+    from zerokit.engine.engine import Engine
+
+log = logging.getLogger("zerokit")
+
+LATEST = "latest"
+
+
+@dataclass
+class Snapshot:
+    tensors: list[tuple[str, torch.Tensor]]
+    rank_bytes: bytes
+    common_bytes: bytes | None = None          # rank 0 only
+    meta: dict | None = None                    # rank 0 only
+    nbytes: int = 0
+
+
+@dataclass
+class PendingSave:
+    thread: threading.Thread
+    error: list[BaseException] = field(default_factory=list)
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error:
+            raise self.error[0]
+
+
+_PENDING: "weakref.WeakKeyDictionary[Engine, PendingSave]" = weakref.WeakKeyDictionary()
+
+
+def wait_for_checkpoint(engine: "Engine") -> None:
+    """Block until this rank's asynchronous save (rank 0: including the commit) is finished."""
+    pending = _PENDING.pop(engine, None)
+    if pending is not None:
+        pending.wait()
+
+
+def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_state: dict | None = None,
+                    save_latest: bool = True) -> str:
+    """Collective. Returns the tag directory (it exists once every rank returns, unless async)."""
+    wait_for_checkpoint(engine)  # the next save waits for the previous one
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name, not starting with "
+                         f"'.' (zerokit's temporary names) and not '{LATEST}'")
+    if engine.micro_steps % engine.gradient_accumulation_steps:
+        log.warning("save_checkpoint in the middle of gradient accumulation (micro-step %d of %d): "
+                    "the gradients accumulated so far are not saved", engine.micro_steps %
+                    engine.gradient_accumulation_steps, engine.gradient_accumulation_steps)
+    comm, rank = engine.comm, engine.comm.rank
+    tmp = os.path.join(save_dir, f".tmp-{tag}")
+    async_save = engine.config.checkpoint.async_save
+
+    def prepare() -> None:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
+        os.makedirs(tmp)
+    _agree(engine, _attempt(prepare, tmp) if rank == 0 else None, "preparing", tmp)
+
+    engine.wait_for_weights()
+    snap = snapshot(engine, client_state, copy_tensors=async_save)
+    final = os.path.join(save_dir, tag)
+    if async_save:
+        pending = PendingSave(threading.Thread(target=lambda: None))
+        pending.thread = threading.Thread(target=_background, name=f"zerokit-save-{tag}",
+                                          args=(pending, engine, save_dir, tmp, tag, snap, save_latest))
+        pending.thread.start()
+        _PENDING[engine] = pending
+        return final
+    _agree(engine, _attempt(lambda: write_rank(tmp, rank, snap), tmp), "writing", tmp)
+    if rank == 0:
+        err = _attempt(lambda: commit(save_dir, tmp, tag, comm.world_size, snap.meta, save_latest), tmp)
+    else:
+        err = None
+    _agree(engine, err, "committing", tmp)
+    return final
+
+
+def _attempt(fn: Callable[[], None], tmp: str) -> BaseException | None:
+    try:
+        fn()
+    except OSError as e:
+        return e if isinstance(e, CheckpointWriteError) else write_error(tmp, e)
+    except Exception as e:  # noqa: BLE001 - handed to _agree, which raises it on this rank
+        return e
+    return None
+
+
+def _agree(engine: "Engine", err: BaseException | None, step: str, tmp: str) -> None:
+    """Every rank learns whether any failed (one all-reduce); on failure the tag is removed."""
+    failed = engine.comm.max_flag(1.0 if err is not None else 0.0, f"checkpoint save ({step})")
+    if not failed:
+        return
+    if engine.comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if err is not None:
+        raise err
+    raise RuntimeError(f"checkpoint save failed on another rank while {step}; the partial tag was "
+                       f"removed and the previous checkpoint and 'latest' are untouched")
+
+
+# ---- 2. snapshot ------------------------------------------------------------------------------
+def snapshot(engine: "Engine", client_state: dict | None, copy_tensors: bool) -> Snapshot:
+    rank = engine.comm.rank
+    tensors: list[tuple[str, torch.Tensor]] = []
+    optim_keys: dict[str, list[str]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for u in engine.units:
+        lo, hi = saved_range(u, rank)
+        if u.trainable:
+            a = u.opt_range[0]
+            master = u.master.detach()
+            tensors.append((f"{u.name}/master", master[lo - a:hi - a]))
+            state = engine.optimizer.state.get(u.master, {})
+            keys = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape)
+            optim_keys[u.name] = keys
+            tensors += [(f"{u.name}/optim.{k}", state[k][lo - a:hi - a]) for k in keys]
+            scalars[u.name] = copy.deepcopy({k: v for k, v in state.items() if k not in keys})
+        else:
+            tensors.append((f"{u.name}/weights", u.shard if u.shard is not None else u.flat[lo:hi]))
+    # Staging copies for an async save; a sync save writes the live tensors (host copies on GPU).
+    tensors = [(n, t.detach().to("cpu", copy=copy_tensors)) for n, t in tensors]
+    sampler = _sampler(engine)
+    rank_state = {"rng": rng_state(), "dataloader": sampler.state_dict() if sampler is not None else None}
+    snap = Snapshot(tensors, _serialize(rank_state))
+    snap.nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    if rank == 0:
+        sched = engine.lr_scheduler
+        common = {
+            "client_state": client_state if client_state is not None else {},
+            "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
+            "loss_scaler": engine.loss_scaler.state_dict(),
+            "counters": {k: getattr(engine, k) for k in
+                         ("global_steps", "micro_steps", "skipped_steps", "global_samples")},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in engine.optimizer.param_groups],
+            "optim_scalars": scalars,
+            "buffers": {n: b.detach().cpu().clone() for n, b in persistent_buffers(engine.module)},
+        }
+        snap.common_bytes = _serialize(common)
+        snap.meta = describe(engine, optim_keys)
+    return snap
+
+
+def persistent_buffers(module: torch.nn.Module):
+    for mod_name, mod in module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                yield (f"{mod_name}.{name}" if mod_name else name), buf
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _sampler(engine: "Engine") -> ResumableDistributedSampler | None:
+    loader = engine.training_dataloader
+    sampler = getattr(loader, "sampler", None)
+    return sampler if isinstance(sampler, ResumableDistributedSampler) else None
+
+
+def _serialize(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+# ---- 3. write ---------------------------------------------------------------------------------
+def write_rank(tmp: str, rank: int, snap: Snapshot) -> None:
+    files = {shard_file(rank): save_shard_file(os.path.join(tmp, shard_file(rank)), snap.tensors,
+                                               {"format": "pt", "rank": str(rank)})}
+    blobs = [(rank_file(rank), snap.rank_bytes)] + ([(COMMON, snap.common_bytes)] if rank == 0 else [])
+    for name, data in blobs:
+        path = os.path.join(tmp, name)
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise write_error(path, e) from e
+        files[name] = len(data)
+    write_json(os.path.join(tmp, done_marker(rank)), {"files": files})
+
+
+# ---- 4. commit (rank 0) -----------------------------------------------------------------------
+def commit(save_dir: str, tmp: str, tag: str, world_size: int, meta: dict, save_latest: bool,
+           wait_s: float = 0.0) -> None:
+    import json
+
+    files: dict[str, int] = {}
+    deadline = time.monotonic() + wait_s
+    for r in range(world_size):
+        marker = os.path.join(tmp, done_marker(r))
+        while not os.path.exists(marker):  # async: wait for the other ranks' threads
+            failed = os.path.join(tmp, f"rank{r:05d}.failed")
+            if os.path.exists(failed):
+                with open(failed) as f:
+                    raise RuntimeError(f"checkpoint {tag}: rank {r} failed to write: {f.read()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"checkpoint {tag}: rank {r} did not finish writing ({marker} missing)")
+            time.sleep(0.01)
+        with open(marker) as f:
+            files.update(json.load(f)["files"])
+    for name, size in files.items():
+        got = os.path.getsize(os.path.join(tmp, name))
+        if got != size:
+            raise RuntimeError(f"checkpoint {tag}: {name} has {got} bytes, its writer reported {size}")
+    write_json(os.path.join(tmp, META), dict(meta, tag=tag, files=files))
+    fsync_dir(tmp)
+    final, old = os.path.join(save_dir, tag), os.path.join(save_dir, f".old-{tag}")
+    if os.path.exists(final):  # re-saving a tag: move the old one aside, then drop it
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(save_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    if save_latest:
+        write_bytes_atomic(os.path.join(save_dir, LATEST), tag.encode())
+
+
+def _background(pending: PendingSave, engine: "Engine", save_dir: str, tmp: str, tag: str,
+                snap: Snapshot, save_latest: bool) -> None:
+    rank, world = engine.comm.rank, engine.comm.world_size
+    try:
+        write_rank(tmp, rank, snap)
+        if rank == 0:
+            commit(save_dir, tmp, tag, world, snap.meta, save_latest, wait_s=engine.comm.timeout_s)
+    except BaseException as e:  # noqa: BLE001 - re-raised by the next save / load / wait
+        pending.error.append(e)
+        try:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                write_json(os.path.join(tmp, f"rank{rank:05d}.failed"), str(e))
+        except OSError:
+            pass
+        log.error("asynchronous checkpoint save of %s failed on rank %d: %s", tag, rank, e)

@@ -1,0 +1,187 @@
+"""Files: safetensors-format shard files written streaming and fsynced, read back by element range.
+
+A shard file is an ordinary safetensors file (8-byte little-endian header length, JSON header of
+dtype / shape / data_offsets, raw little-endian bytes), so `safetensors.safe_open` and any other
+tool can inspect it. zerokit reads it itself: `ShardFile.read_range` seeks to the bytes of a
+range of one 1-D tensor and reads them into a tensor, so resharding reads exactly the bytes it
+needs and never maps or loads a whole file.
+
+Every write ends with fsync of the file; directories are fsynced after entries are created or
+renamed in them, so a rename is durable before anything is made to point at it.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+from typing import BinaryIO
+
+import torch
+
+DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+          torch.uint8: "U8", torch.bool: "BOOL"}
+DTYPE_OF = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+class CheckpointWriteError(OSError):
+    """A save failed (disk full, quota, permissions); the previous checkpoint is untouched."""
+
+
+def write_error(path: str, e: OSError) -> CheckpointWriteError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+               errno.EFBIG: "the file size limit was reached"}[e.errno]
+        msg = (f"checkpoint save failed writing {path}: {why} ({os.strerror(e.errno)}); the partial "
+               f"tag was removed and the previous checkpoint and 'latest' are untouched")
+    else:
+        msg = f"checkpoint save failed writing {path}: {e}"
+    return CheckpointWriteError(e.errno, msg)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """Write temp + fsync + os.replace + fsync(dir): `path` is the old or the new, never torn."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise write_error(path, e) from e
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_json(path: str, obj: object) -> None:
+    """Write and fsync (the caller's directory rename makes it visible)."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class SafetensorsWriter:
+    """One safetensors file whose tensors arrive one at a time, in header order (streaming)."""
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str]):
+        header: dict[str, object] = {"__metadata__": metadata}
+        offset = 0
+        for name, dtype, shape in entries:
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path = path
+        self.expected = [(n, d, tuple(s)) for n, d, s in entries]
+        self.written = 0
+        self.size = 8 + len(raw) + offset
+        try:
+            self.f: BinaryIO = open(path, "wb", buffering=0)
+            _write_all(self.f, struct.pack("<Q", len(raw)) + raw)
+        except OSError as e:
+            raise write_error(path, e) from e
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        want, dtype, shape = self.expected[self.written]
+        if (want, dtype, shape) != (name, t.dtype, tuple(t.shape)):
+            raise RuntimeError(f"{self.path}: got {name} {t.dtype} {tuple(t.shape)}, expected "
+                               f"{want} {dtype} {shape}")
+        try:
+            if t.numel():
+                _write_all(self.f, t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        except OSError as e:
+            raise write_error(self.path, e) from e
+        self.written += 1
+
+    def close(self) -> int:
+        """fsync and close; returns the file's size."""
+        if self.written != len(self.expected):
+            raise RuntimeError(f"{self.path}: {len(self.expected) - self.written} tensors never written")
+        try:
+            os.fsync(self.f.fileno())
+        except OSError as e:
+            raise write_error(self.path, e) from e
+        finally:
+            self.f.close()
+        return self.size
+
+    def abort(self) -> None:
+        self.f.close()
+
+
+def save_shard_file(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
+    """Write 1-D tensors into one safetensors file and fsync it; returns its size in bytes."""
+    w = SafetensorsWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors], metadata)
+    try:
+        for n, t in tensors:
+            w.write(n, t)
+    except BaseException:
+        w.abort()
+        raise
+    return w.close()
+
+
+def _write_all(f: BinaryIO, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = f.write(view)
+        view = view[n:]
+
+
+class ShardFile:
+    """Read access by element range to the 1-D tensors of one shard file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.f = open(path, "rb", buffering=0)
+        (n,) = struct.unpack("<Q", self.f.read(8))
+        self.header = json.loads(self.f.read(n))
+        self.data_start = 8 + n
+
+    def names(self) -> list[str]:
+        return [k for k in self.header if k != "__metadata__"]
+
+    def read_range(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements [lo, hi) of tensor `name` into `out` (a contiguous CPU tensor of hi - lo)."""
+        entry = self.header.get(name)
+        if entry is None:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        dtype = DTYPE_OF[entry["dtype"]]
+        size = torch.empty((), dtype=dtype).element_size()
+        start = self.data_start + entry["data_offsets"][0] + lo * size
+        buf = out.view(torch.uint8).numpy() if out.dtype == dtype else None
+        if buf is None:
+            tmp = torch.empty(hi - lo, dtype=dtype)
+            self._read_into(start, tmp.view(torch.uint8).numpy())
+            out.copy_(tmp)
+        else:
+            self._read_into(start, buf)
+
+    def _read_into(self, start: int, buf) -> None:
+        view = memoryview(buf).cast("B")
+        got = 0
+        while got < len(view):
+            n = os.preadv(self.f.fileno(), [view[got:]], start + got)
+            if n <= 0:
+                raise OSError(f"{self.path} is truncated (wanted {len(view)} bytes at {start})")
+            got += n
+
+    def close(self) -> None:
+        self.f.close()
