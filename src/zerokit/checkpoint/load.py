@@ -214,17 +214,18 @@ def _load_training_state(engine: "Engine", common: dict, path: str, load_optimiz
             for group, saved in zip(engine.optimizer.param_groups, common["param_groups"]):
                 group["lr"] = saved["lr"]
     rank_path = os.path.join(path, rank_file(engine.comm.rank))
-    if not os.path.exists(rank_path):
-        log.warning("%s has no state for rank %d (saved with %d ranks): RNG and data position not "
-                    "restored on this rank", path, engine.comm.rank, common.get("world_size", "fewer"))
-        return
-    rank_state = torch.load(rank_path, map_location="cpu", weights_only=False)
-    rng = rank_state["rng"]
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+    if os.path.exists(rank_path):
+        rank_state = torch.load(rank_path, map_location="cpu", weights_only=False)
+        rng = rank_state["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:  # more ranks than were saved: the data position is global, the RNG streams are not
+        log.warning("%s has no RNG state for rank %d (saved by fewer ranks): its RNG is not restored",
+                    path, engine.comm.rank)
+        rank_state = torch.load(os.path.join(path, rank_file(0)), map_location="cpu", weights_only=False)
     sampler = _sampler(engine)
     if sampler is not None and rank_state["dataloader"] is not None:
         sampler.load_state_dict(rank_state["dataloader"])
