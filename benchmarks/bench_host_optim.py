@@ -7,7 +7,9 @@
 (b) the mixed-precision host step (bf16 gradient in, unscale x clip, fp32 update, bf16 weights
     out) vs the same work composed from torch ops, and vs DeepSpeedCPUAdam plus its casts.
 
-Each row reports the median of --steps timed steps (after 2 warm-ups), Mparams/s, the bytes the
+Rows of one size are timed round-robin (one step each per round), so load from other processes
+on a shared machine hits them alike. Each row reports the median of --steps timed steps (after
+2 warm-ups), Mparams/s, the bytes the
 row must move per parameter, and its time over the roof: those bytes at the in-place streaming
 bandwidth measured in the same run (a large x.mul_(c), 8 bytes per element). Writes JSON to
 benchmarks/results/bench_host_optim-*.json.
@@ -15,7 +17,6 @@ benchmarks/results/bench_host_optim-*.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from pathlib import Path
 from typing import Callable
@@ -48,6 +49,22 @@ def timed(fn: Callable[[], None], steps: int, warmup: int = 2) -> dict:
     return summarize(times)
 
 
+def timed_interleaved(fns: list[Callable[[], None]], steps: int, warmup: int = 2) -> list[dict]:
+    """Times several implementations round-robin, one step each per round, starting each round
+    at a different one: on a shared machine, load that comes and goes hits all rows alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for k in range(steps):
+        for j in range(len(fns)):
+            i = (j + k) % len(fns)
+            t = now()
+            fns[i]()
+            times[i].append(now() - t)
+    return [summarize(t) for t in times]
+
+
 def stream_bandwidth(steps: int) -> float:
     """In-place streaming bandwidth in bytes/s: x.mul_(c) reads and writes 8 bytes an element."""
     x = torch.ones(256 * 2**20)  # 1 GiB, far past any cache
@@ -64,103 +81,88 @@ def deepspeed_adam():
     return DeepSpeedCPUAdam, None
 
 
+def _zerokit_step(p, grad, *, threads, grad_scale=1.0, out16=None):
+    m, v, count = torch.zeros_like(p), torch.zeros_like(p), [0]
+
+    def step():
+        count[0] += 1
+        host.adam_step(p, grad, m, v, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                       weight_decay=WD, step=count[0], adamw=True, grad_scale=grad_scale,
+                       out16=out16, threads=threads)
+
+    return step
+
+
+def _torch_adamw(p, grad, **kw):
+    param = torch.nn.Parameter(p.clone())
+    param.grad = grad
+    return param, torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
+
+
+def _deepspeed_adam(ds_cls, p, grad):
+    param = torch.nn.Parameter(p.clone())
+    param.grad = grad
+    return param, ds_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
+
+
+def _composed(opt_step, param, g16, g32, out16, unscale: bool):
+    """The mixed step from separate passes: upcast, (unscale), fp32 step, downcast."""
+
+    def step():
+        g32.copy_(g16)
+        if unscale:
+            g32.mul_(GRAD_SCALE)
+        opt_step()
+        out16.copy_(param.detach())
+
+    return step
+
+
 def bench_size(n: int, steps: int, threads: int, ds_cls) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen)
     g16 = g.to(torch.bfloat16)
+    out16 = torch.empty(n, dtype=torch.bfloat16)
     rows: list[dict] = []
+    fns: list = []
 
     def row(case, name, nbytes, fn):
-        res = timed(fn, steps) if fn is not None else None
-        rows.append({"case": case, "impl": name, "n": n, "bytes_per_param": nbytes,
-                     "time": res, "note": None if fn is not None else ds_note})
-        gc.collect()
+        rows.append({"case": case, "impl": name, "n": n, "bytes_per_param": nbytes, "time": None,
+                     "note": None if fn is not None else "deepspeed: not installed"})
+        fns.append(fn)
 
-    ds_note = "deepspeed: not installed"
-    # (a) fp32 AdamW --------------------------------------------------------------------------
-    m, v, state = torch.zeros(n), torch.zeros(n), {"step": 0}
+    # (a) fp32 AdamW
+    row("fp32", "zerokit HostAdam kernel", BYTES["fp32"], _zerokit_step(p.clone(), g, threads=threads))
+    row("fp32", "torch AdamW(fused=True)", BYTES["fp32"], _torch_adamw(p, g, fused=True)[1].step)
+    row("fp32", "torch AdamW(foreach=True)", BYTES["fp32"], _torch_adamw(p, g, foreach=True)[1].step)
+    row("fp32", "DeepSpeedCPUAdam", BYTES["fp32"],
+        _deepspeed_adam(ds_cls, p, g)[1].step if ds_cls is not None else None)
 
-    def zk_fp32():
-        state["step"] += 1
-        host.adam_step(p, g, m, v, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
-                       step=state["step"], adamw=True, threads=threads)
-
-    row("fp32", "zerokit HostAdam kernel", BYTES["fp32"], zk_fp32)
-    del m, v
-
-    def torch_opt(**kw):
-        param = torch.nn.Parameter(p.clone())
-        param.grad = g
-        return param, torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
-
-    for kw, name in (({"fused": True}, "torch AdamW(fused=True)"),
-                     ({"foreach": True}, "torch AdamW(foreach=True)")):
-        param, opt = torch_opt(**kw)
-        row("fp32", name, BYTES["fp32"], opt.step)
-        del param, opt
-
-    if ds_cls is not None:
-        param = torch.nn.Parameter(p.clone())
-        param.grad = g
-        ds = ds_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
-        row("fp32", "DeepSpeedCPUAdam", BYTES["fp32"], ds.step)
-        del param, ds
-    else:
-        row("fp32", "DeepSpeedCPUAdam", None, None)
-
-    # (b) mixed precision: bf16 grad in, unscale x clip, fp32 update, bf16 weights out --------
-    m, v, out16, state = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16), {"step": 0}
-
-    def zk_mixed():
-        state["step"] += 1
-        host.adam_step(p, g16, m, v, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
-                       step=state["step"], adamw=True, grad_scale=GRAD_SCALE, out16=out16,
-                       threads=threads)
-
-    row("mixed", "zerokit fused host step", BYTES["mixed_fused"], zk_mixed)
-    del m, v
-
+    # (b) mixed precision: bf16 grad in, unscale x clip, fp32 update, bf16 weights out
     composed = BYTES["upcast"] + BYTES["unscale"] + BYTES["fp32"] + BYTES["downcast"]
-    param, opt = torch_opt(fused=True)
+    row("mixed", "zerokit fused host step", BYTES["mixed_fused"],
+        _zerokit_step(p.clone(), g16, threads=threads, grad_scale=GRAD_SCALE, out16=out16))
     g32 = torch.empty(n)
-    param.grad = g32
-
-    def torch_mixed():
-        g32.copy_(g16)
-        g32.mul_(GRAD_SCALE)
-        opt.step()
-        out16.copy_(param.detach())
-
-    row("mixed", "torch: upcast, mul_, AdamW(fused), downcast", composed, torch_mixed)
-
+    param, opt = _torch_adamw(p, g32, fused=True)
+    row("mixed", "torch: upcast, mul_, AdamW(fused), downcast", composed,
+        _composed(opt.step, param, g16, g32, out16, unscale=True))
     # The fused kernel can unscale itself (GradScaler's path): it divides by opt.grad_scale.
+    param, opt = _torch_adamw(p, g32, fused=True)
     opt.grad_scale = torch.tensor(1.0 / GRAD_SCALE)
-
-    def torch_mixed_gs():
-        g32.copy_(g16)
-        opt.step()
-        out16.copy_(param.detach())
-
     row("mixed", "torch: upcast, AdamW(fused, grad_scale), downcast",
-        BYTES["upcast"] + BYTES["fp32"] + BYTES["downcast"], torch_mixed_gs)
-    del param, opt
-
+        BYTES["upcast"] + BYTES["fp32"] + BYTES["downcast"],
+        _composed(opt.step, param, g16, g32, out16, unscale=False))
     if ds_cls is not None:
-        param = torch.nn.Parameter(p.clone())
-        param.grad = g32
-        ds = ds_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
-
-        def ds_mixed():
-            g32.copy_(g16)
-            g32.mul_(GRAD_SCALE)
-            ds.step()
-            out16.copy_(param.detach())
-
-        row("mixed", "DeepSpeedCPUAdam + upcast, mul_, downcast", composed, ds_mixed)
-        del param, ds
+        param, ds = _deepspeed_adam(ds_cls, p, g32)
+        fn = _composed(ds.step, param, g16, g32, out16, unscale=True)
     else:
-        row("mixed", "DeepSpeedCPUAdam + upcast, mul_, downcast", None, None)
+        fn = None
+    row("mixed", "DeepSpeedCPUAdam + upcast, mul_, downcast", composed, fn)
+
+    live = [i for i, fn in enumerate(fns) if fn is not None]
+    for i, res in zip(live, timed_interleaved([fns[i] for i in live], steps)):
+        rows[i]["time"] = res
     return rows
 
 
