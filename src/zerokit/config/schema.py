@@ -90,6 +90,37 @@ class BF16Config(_Section):
     enabled: bool = False
 
 
+class DelayedUpdateConfig(_Section):
+    enabled: bool = Field(
+        False, description="zerokit (ZeRO-Offload's one-step delayed parameter update): after "
+                           "warmup_steps normal steps, the host update of step t runs while step "
+                           "t+1's forward and backward use the weights of step t-1. This CHANGES "
+                           "THE MATH: every gradient is one step stale. Needs ratio 1.")
+    warmup_steps: int = Field(10, ge=0, description="Normal (undelayed) steps before delaying.")
+
+
+class OffloadOptimizerConfig(_Section):
+    device: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="Where fp32 master weights, optimizer state and gradient shards live.")
+    pin_memory: bool = Field(False, description="Page-locked host buffers (faster copies on CUDA).")
+    ratio: float | Literal["auto"] = Field(
+        1.0, description="Twin-Flow: fraction of each rank's optimizer shard stepped on the host; "
+                         "the rest is stepped on the device at the same time.")
+    delayed_update: DelayedUpdateConfig = DelayedUpdateConfig()
+
+    @model_validator(mode="after")
+    def _valid(self) -> "OffloadOptimizerConfig":
+        if self.device == "nvme":
+            raise ValueError("offload_optimizer.device 'nvme' is not implemented (ZeRO-Infinity); "
+                             "allowed: 'cpu', 'none'")
+        if self.ratio != "auto" and not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"offload_optimizer.ratio must be in [0, 1] or 'auto' (got {self.ratio!r})")
+        if self.delayed_update.enabled and self.ratio != 1.0:
+            raise ValueError(f"offload_optimizer.delayed_update needs ratio 1 (got ratio "
+                             f"{self.ratio!r}): the device part of a Twin-Flow split is not delayed")
+        return self
+
+
 class ZeroConfig(_Section):
     stage: int = Field(0, ge=0, le=3, description="0: DDP, 1: optimizer state, 2: +gradients, 3: +weights.")
     reduce_bucket_size: int = Field(500_000_000, gt=0, description="Elements per gradient collective.")
@@ -108,6 +139,14 @@ class ZeroConfig(_Section):
     reshard_after_forward: bool = Field(
         True, description="zerokit (FSDP's name): release a unit after its forward; False keeps "
                           "it gathered until its backward, trading memory for one all-gather.")
+    offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+
+    @model_validator(mode="after")
+    def _offload_needs_sharding(self) -> "ZeroConfig":
+        if self.offload_optimizer.device == "cpu" and self.stage == 0:
+            raise ValueError("zero_optimization.offload_optimizer.device 'cpu' needs stage 1, 2 or 3 "
+                             "(got stage 0): offload moves this rank's optimizer shard to the host")
+        return self
 
 
 class CheckpointConfig(_Section):

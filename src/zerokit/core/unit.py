@@ -20,6 +20,10 @@ visibly wrong, and writing to it raises. Gathering points the parameters back in
 - `master`      fp32 weights of the optimizer range: this rank's shard if the optimizer state is
                 partitioned, the whole buffer otherwise. In fp32 training it aliases `flat`.
 - `master_grad` fp32 reduced gradient of the optimizer range, the `.grad` the optimizer reads.
+- `host`        with offload (see zerokit.engine.offload.HostShard): the first `host_numel`
+                elements of the optimizer range have their fp32 master, optimizer state and
+                gradient on the host tier; `master` and `master_grad` then cover only the rest
+                (the device part), elements [host_numel, len(opt_range)).
 - `grad_acc`    fp32 full-size sum of the micro-steps' 16-bit gradients before the boundary, where
                 gradients are reduced only there (stage < 2, 16-bit compute, accumulation > 1):
                 16-bit running sums would lose what DeepSpeed's fp32 accumulation keeps. At
@@ -116,6 +120,8 @@ class Unit:
         self._gather_handle: Handle | None = None
         self.index = -1  # position in the engine's unit list; set by the engine
         self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
+        self.host = None  # offload: the host part of the optimizer range (HostShard), if any
+        self.host_numel = 0
 
     # ---- construction -----------------------------------------------------------------------
     def _build_buffers(self) -> None:
@@ -252,7 +258,14 @@ class Unit:
             bucket = rows[:, lo:hi].contiguous() if (lo, hi) != (0, self.shard_numel) else full
             handles.append(comm.reduce_scatter(out[lo:hi], bucket.view(-1), self._where(lo, chunk),
                                                average=True, async_op=True))
-        return _join(handles, lambda: (self.master_grad.add_(out), release()))
+        return _join(handles, lambda: (self._accept_grad(out), release()))
+
+    def _accept_grad(self, out: torch.Tensor) -> None:
+        """Add this rank's reduced gradient shard to the master gradient, wherever it lives."""
+        if self.host is not None:
+            self.host.take_grad(out[:self.host_numel])
+            out = out[self.host_numel:]
+        self.master_grad.add_(out)
 
     def _where(self, lo: int, step: int) -> str:
         return f"unit '{self.name}'" if step >= self.padded_numel else \
@@ -271,8 +284,9 @@ class Unit:
 
     # ---- step ---------------------------------------------------------------------------------
     def grad_sq_norm(self) -> torch.Tensor:
-        return self.master_grad.double().pow(2).sum() if self.master_grad is not None else \
+        total = self.master_grad.double().pow(2).sum() if self.master_grad is not None else \
             torch.zeros((), dtype=torch.float64, device=self.device)
+        return total + self.host.grad_sq_norm() if self.host is not None else total
 
     def publish_weights(self) -> None:
         """After the optimizer step: new master -> compute weights -> every rank (asynchronous).
@@ -281,17 +295,18 @@ class Unit:
         gathered and must not be read: the engine waits in the unit's forward pre-hook, before
         any state_dict, and before the next backward or step.
         """
+        k = self.host_numel  # the host part was written back by the offload executor
         if self.shard is not None:  # stage 3: the shard is the weights' home
-            if self.master.data_ptr() != self.shard.data_ptr():
-                self.shard.copy_(self.master.detach())
+            if self.master.data_ptr() != self.shard[k:].data_ptr():
+                self.shard[k:].copy_(self.master.detach())
             if self.state is WeightState.SHARDED:
                 return
             self.state = WeightState.SHARDED  # persistent / still-gathered units gather anew
             self.gather()
             return
         a, b = self.opt_range
-        if self.master.data_ptr() != self.flat[a:b].data_ptr():
-            self.flat[a:b].copy_(self.master.detach())
+        if self.master.data_ptr() != self.flat[a + k:b].data_ptr():
+            self.flat[a + k:b].copy_(self.master.detach())
         if self.policy.shard_optimizer:
             self.state = WeightState.GATHERING
             self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True)
@@ -343,8 +358,11 @@ class Unit:
         if self.master is None:
             return
         a, b = self.opt_range
-        new = self.flat[a:b]
-        homes = {new.data_ptr()} | ({self.shard.data_ptr()} if self.shard is not None else set())
+        k = self.host_numel
+        if self.host is not None:
+            self.host.absorb(self.flat[a:a + k])
+        new = self.flat[a + k:b]
+        homes = {new.data_ptr()} | ({self.shard[k:].data_ptr()} if self.shard is not None else set())
         if self.master.data_ptr() in homes:
             return  # fp32: the master is these weights
         with torch.no_grad():
@@ -376,6 +394,8 @@ class Unit:
         self.used = False
         if self.master_grad is not None:
             self.master_grad.zero_()
+        if self.host is not None:
+            self.host.zero_grad()
         if self.grad_acc is not None:
             self.grad_acc.zero_()
         if self.grad_flat is not None:
@@ -395,6 +415,9 @@ class Unit:
             (a, b), source, partitioned = (lo, lo + self.shard_numel), self.shard, True
         else:
             return self.flat.float()
+        if self.trainable and self.host is not None:
+            full[a:a + self.host_numel].copy_(self.host.master_values())
+            a += self.host_numel
         full[a:b].copy_(source)
         if partitioned:
             self.comm.all_gather(full, self.name)

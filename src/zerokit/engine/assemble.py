@@ -14,7 +14,7 @@ from zerokit.engine.engine import Engine
 from zerokit.engine.optimizer import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.schedulers import build_scheduler
-from zerokit.policy import PartitionPolicy
+from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tiers import Ledger
 from zerokit.zero import adopt_constructed, retire_constructed
 
@@ -34,6 +34,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     comm = Comm.from_environment(cfg.comm_timeout_s)
     batch = cfg.resolve_batch(comm.world_size)
     policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
+    placement = PlacementPolicy.from_config(cfg.zero_optimization)
     recipe = recipe_from(model, optimizer, model_parameters, cfg.optimizer)
 
     dtype = compute_dtype(cfg)
@@ -59,14 +60,27 @@ def initialize(model: nn.Module, optimizer: Any = None,
     retire_constructed(model)
     for index, unit in enumerate(units):
         unit.index = index
+    stepper = _offload(units, placement)  # before the optimizer: it steps only the device parts
     masters = [[u.master for u in units if u.trainable and u.group_index == g]
                for g in range(len(recipe.hyper))]
     torch_optimizer = build_optimizer(recipe, masters)
     scheduler = _scheduler(cfg, lr_scheduler, torch_optimizer, optimizer)
+    if stepper is not None:
+        stepper.bind(torch_optimizer)
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch)
+    engine.offload, engine.placement = stepper, placement
     dataloader = _dataloader(training_data, batch[1], comm, collate_fn)
     engine.training_dataloader = dataloader
     return engine, torch_optimizer, dataloader, scheduler
+
+
+def _offload(units: list[Unit], placement: PlacementPolicy):
+    if not placement.offloads:
+        return None
+    from zerokit.engine.host_step import HostStepper
+    from zerokit.engine.offload import place_units
+
+    return HostStepper(place_units(units, placement), placement)
 
 
 def _scheduler(cfg, lr_scheduler: Any, torch_optimizer: torch.optim.Optimizer, user_optimizer: Any):

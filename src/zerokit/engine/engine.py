@@ -46,6 +46,7 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self.global_samples = 0
         self.training_dataloader = None  # set by initialize(training_data=...)
+        self.offload = None  # HostStepper (engine/host_step.py): set by initialize when offloading
         self._reduce_now = False
         self._pending: deque[tuple[Handle, int]] = deque()
         self._pending_bytes = 0
@@ -161,6 +162,8 @@ class Engine(nn.Module):
         if not boundary:
             return
         t0 = time.perf_counter()
+        if self.offload is not None:  # host gradients landed; a delayed update joined
+            self.offload.before_step()
         trainable = [u for u in self.units if u.trainable]
         scale = self.loss_scaler.scale
         coef = 1.0 / scale
@@ -175,6 +178,8 @@ class Engine(nn.Module):
                     coef *= clip_coef
         if overflow and self.loss_scaler.dynamic:
             self.skipped_steps += 1
+            if self.offload is not None:
+                self.offload.publish_written()
         else:
             if coef != 1.0:
                 for u in trainable:
@@ -182,7 +187,11 @@ class Engine(nn.Module):
             unused = self._unused_everywhere(trainable)
             for u in unused:  # torch skips parameters without a gradient; so do we, per unit
                 u.master.grad = None
-            self.optimizer.step()
+            if self.offload is not None:  # host parts: coef fused into the kernel, not multiplied above
+                self.offload.launch(coef, set(unused))
+            self.optimizer.step()  # the device parts, while the host parts step in a worker
+            if self.offload is not None:
+                self.offload.finish()
             for u in unused:
                 u.master.grad = u.master_grad
             # In the order forward will need them; each unit's forward pre-hook waits for its own.
@@ -260,6 +269,9 @@ class Engine(nn.Module):
     # ---- checkpoints (zerokit.checkpoint does the work) ----------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> None:
+        if self.offload is not None:
+            raise NotImplementedError("save_checkpoint with zero_optimization.offload_optimizer is not "
+                                      "implemented yet (the host optimizer state is not saved)")
         from zerokit.checkpoint import save_checkpoint
 
         save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
@@ -267,6 +279,9 @@ class Engine(nn.Module):
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
+        if self.offload is not None:
+            raise NotImplementedError("load_checkpoint with zero_optimization.offload_optimizer is not "
+                                      "implemented yet (the host optimizer state is not saved)")
         from zerokit.checkpoint import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,

@@ -1,0 +1,162 @@
+"""The host step executor: steps every unit's host part with the native kernel, in a worker thread.
+
+Per step (Engine.step calls these, in this order):
+    before_step()     gradients still crossing device -> host land; with the delayed update, the
+                      previous step's host update is joined and its weights written back
+    launch(coef, ..)  hyper-parameters are read from torch's param groups (so LR schedulers work)
+                      and the worker starts; coef = clip / loss scale rides in the kernel's
+                      grad_scale (fused: no separate pass over the gradient)
+    [the engine steps the device parts with torch's optimizer meanwhile: Twin-Flow]
+    finish()          joins the worker and writes the new weights host -> device, unless the
+                      update is delayed, in which case the worker keeps running into the next
+                      step's forward and backward (ZeRO-Offload's one-step delayed update)
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from zerokit.engine.offload import HostShard
+from zerokit.optim import HostAdagrad, HostAdam, HostLion
+from zerokit.optim import host as K
+from zerokit.policy import PlacementPolicy
+
+SUPPORTED = "Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/AdamW/Adagrad instances"
+
+
+def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostShard, dict, float], None]]:
+    """(state family, step function) for the optimizer whose hyper-parameters the host follows."""
+    kind = type(optimizer)
+    if kind in (torch.optim.Adam, torch.optim.AdamW, HostAdam):
+        def adam(s: HostShard, g: dict, coef: float) -> None:
+            if g.get("amsgrad"):
+                raise ValueError("offload_optimizer: amsgrad=True has no host kernel; set amsgrad=False")
+            adamw = g["adamw_mode"] if kind is HostAdam else \
+                kind is torch.optim.AdamW or bool(g.get("decoupled_weight_decay", False))
+            b1, b2 = g["betas"]
+            K.adam_step(s.master, s.grad_in_flight, s.state["exp_avg"], s.state["exp_avg_sq"],
+                        lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
+                        step=s.steps, adamw=adamw, bias_correction=g.get("bias_correction", True),
+                        grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
+        return "adam", adam
+    if kind in (torch.optim.Adagrad, HostAdagrad):
+        def adagrad(s: HostShard, g: dict, coef: float) -> None:
+            K.adagrad_step(s.master, s.grad_in_flight, s.state["sum"], lr=g["lr"], eps=g["eps"],
+                           weight_decay=g["weight_decay"], step=s.steps, lr_decay=g["lr_decay"],
+                           grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
+        return "adagrad", adagrad
+    if kind is HostLion:
+        def lion(s: HostShard, g: dict, coef: float) -> None:
+            b1, b2 = g["betas"]
+            K.lion_step(s.master, s.grad_in_flight, s.state["exp_avg"], lr=g["lr"], beta1=b1,
+                        beta2=b2, weight_decay=g["weight_decay"],
+                        grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
+        return "lion", lion
+    raise TypeError(f"zero_optimization.offload_optimizer: optimizer {kind.__module__}.{kind.__name__} "
+                    f"has no host kernel; offload supports {SUPPORTED}")
+
+
+class HostStepper:
+    def __init__(self, shards: list[HostShard], placement: PlacementPolicy):
+        self.shards = shards
+        self.placement = placement
+        self.launches = 0
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stepped: list[HostShard] = []  # updated by the running / last worker
+        self._written: list[HostShard] = []  # weights written back, not yet published
+        self._copied: Any = None  # CUDA event: host -> device weight copies done
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Follow `optimizer`'s param groups; fails here, naming it, if it has no host kernel."""
+        self.family, self._step_fn = kernel_for(optimizer)
+        self.optimizer = optimizer
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        for s in self.shards:
+            s.group = group_of[id(s.unit.master)]
+            if self.family == "lion" and s.unit.device.type != "cpu" and s.unit.master.numel():
+                raise ValueError("offload_optimizer: Lion's device part would need a device Lion, "
+                                 "which zerokit lacks; use ratio 1 with Lion")
+            fill = optimizer.param_groups[s.group].get("initial_accumulator_value", 0.0)
+            s.init_state(self.family, fill if self.family == "adagrad" else 0.0)
+
+    @property
+    def delaying(self) -> bool:
+        return self.placement.delayed and self.launches >= self.placement.warmup_steps
+
+    def before_step(self) -> None:
+        for s in self.shards:
+            s.settle()
+        if self._worker is not None:  # the delayed update of the previous step
+            self._join()
+            self._write_back()
+
+    def launch(self, coef: float, skip: set) -> None:
+        if self._copied is not None:  # the kernel is about to overwrite what is being copied
+            self._copied.synchronize()
+            self._copied = None
+        groups = [dict(g) for g in self.optimizer.param_groups]  # a snapshot: schedulers move on
+        todo = [s for s in self.shards if s.unit not in skip]
+        done = threading.Event()
+        for s in todo:
+            s.steps += 1
+            s.grad_in_flight = s.grad
+            s.busy = done
+
+        def run() -> None:
+            try:
+                for s in todo:
+                    self._step_fn(s, groups[s.group], coef)
+            except BaseException as e:  # re-raised on the training thread at the join
+                self._error = e
+            finally:
+                done.set()
+
+        self._stepped = todo
+        self._worker = threading.Thread(target=run, name="zerokit-host-step", daemon=True)
+        self._worker.start()
+        if self.delaying:
+            for s in todo:
+                s.swap_grads()
+        self.launches += 1
+
+    def finish(self) -> None:
+        """Join the host update and write its weights back, unless it is delayed to the next step."""
+        if self._worker is not None and not (self.placement.delayed and
+                                             self.launches > self.placement.warmup_steps):
+            self._join()
+            self._write_back()
+        self._written = []  # the engine publishes every trainable unit next
+
+    def publish_written(self) -> None:
+        """A skipped (overflow) step still publishes the delayed weights that before_step wrote."""
+        for s in self._written:
+            s.unit.publish_weights()
+        self._written = []
+
+    def _join(self) -> None:
+        self._worker.join()
+        self._worker = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("the host optimizer step failed") from error
+
+    def _write_back(self) -> None:
+        for s in self._stepped:
+            s.write_weights()
+        if any(s.pin for s in self._stepped):
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self._written, self._stepped = self._stepped, []
+
+    def device_bytes_saved(self) -> int:
+        """Device bytes this rank no longer holds: optimizer state and gradient of the host parts,
+        and their fp32 master where it was a separate copy (16-bit compute)."""
+        total = 0
+        for s in self.shards:
+            master = 4 if s.out16 is not None else 0  # fp32 compute: the master is the weights
+            total += s.numel * (master + 4 + 4 * len(s.state))
+        return total

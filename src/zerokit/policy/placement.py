@@ -1,0 +1,73 @@
+"""Where each piece of a rank's optimizer shard lives: the placement policy (offload, Twin-Flow).
+
+The partition policy decides *what* a rank owns (its optimizer range per unit); placement decides
+*where* that range's fp32 master, optimizer state and gradient live and where it is stepped.
+ZeRO-Offload is ratio 1 (all on the host), no offload is ratio 0, Twin-Flow anything between: the
+first `host_numel(L)` elements of a unit's optimizer range (as DeepSpeed: the first r of the
+weights on the CPU) are stepped by the host kernel, the rest by torch's optimizer on the device,
+at the same time. A stage never appears here: every stage >= 1 has an optimizer shard to place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Split points are multiples of this many elements, so the host part starts and ends on a
+# 64-element (256-byte fp32) boundary, the unit the host kernels split work between threads in.
+SPLIT_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    """
+    ratio: fraction of each unit's optimizer range whose master, state and gradient live on the
+        host tier and are stepped there (0: all on the device).
+    pin_memory: host buffers that cross to the device are page-locked (only where CUDA exists).
+    delayed: the host step of step t overlaps step t+1's forward and backward (changes the math).
+    warmup_steps: normal steps before the delay starts.
+    """
+
+    ratio: float = 0.0
+    pin_memory: bool = False
+    delayed: bool = False
+    warmup_steps: int = 0
+
+    @classmethod
+    def from_config(cls, zero_cfg) -> "PlacementPolicy":
+        off = zero_cfg.offload_optimizer
+        if off.device != "cpu":
+            return cls()
+        if off.ratio == "auto":
+            raise NotImplementedError(
+                "zero_optimization.offload_optimizer.ratio 'auto' is not implemented yet; give a "
+                "number in [0, 1] (1: full ZeRO-Offload, 0: no offload, between: Twin-Flow)")
+        return cls(float(off.ratio), off.pin_memory, off.delayed_update.enabled,
+                   off.delayed_update.warmup_steps)
+
+    @property
+    def offloads(self) -> bool:
+        return self.ratio > 0.0
+
+    def host_numel(self, length: int) -> int:
+        """Elements [0, host_numel) of an optimizer range of `length` live and step on the host."""
+        if self.ratio >= 1.0:
+            return length
+        k = round(self.ratio * length / SPLIT_ALIGN) * SPLIT_ALIGN
+        return max(0, min(length, k))
+
+    def tier(self, piece: str, host_part: bool) -> str:
+        """The ledger tier of `piece` ('master', 'optimizer_state', 'grads') for one part."""
+        if piece not in ("master", "optimizer_state", "grads"):
+            raise ValueError(f"placement covers master, optimizer_state and grads, not {piece!r}")
+        return "host" if host_part else "device"
+
+    def describe(self) -> str:
+        if not self.offloads:
+            return "offload: none (master, optimizer state and gradients on the device)"
+        what = ("ZeRO-Offload: master + optimizer state + gradient shards on the host"
+                if self.ratio >= 1.0 else
+                f"Twin-Flow: {self.ratio:g} of each optimizer shard on the host, "
+                f"{1 - self.ratio:g} on the device, stepped at the same time")
+        if self.delayed:
+            what += (f"; delayed parameter update after {self.warmup_steps} steps "
+                     f"(gradients one step stale)")
+        return "offload: " + what
