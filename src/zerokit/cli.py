@@ -120,13 +120,35 @@ def _forever(loader):
         epoch += 1
 
 
+def _convert_parser(sub) -> None:
+    p = sub.add_parser("convert", help="write a checkpoint's model as safetensors (Hugging Face layout)")
+    p.add_argument("checkpoint", help="the save_checkpoint directory (tag from 'latest') or a tag directory")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--tag", help="the tag to convert (default: the one 'latest' names)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per file before sharding")
+
+
+def convert(args) -> int:
+    from zerokit.checkpoint.consolidate import convert as run
+    from zerokit.engine.precision import DTYPES
+
+    files = run(args.checkpoint, args.out, DTYPES[args.dtype], tag=args.tag,
+                max_shard_bytes=int(args.max_shard_size * 2**30))
+    print("\n".join(files))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zerokit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _convert_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
+    if args.command == "convert":
+        return convert(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -30,6 +30,9 @@ DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 class CheckpointWriteError(OSError):
     """A save failed (disk full, quota, permissions); the previous checkpoint is untouched."""
 
+    def __str__(self) -> str:
+        return str(self.strerror)
+
 
 def write_error(path: str, e: OSError) -> CheckpointWriteError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):

@@ -1,0 +1,1 @@
+"""Helpers for users' scripts (DeepSpeed's names)."""
