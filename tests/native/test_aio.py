@@ -1,0 +1,199 @@
+"""The async I/O engine, native and pure-Python: round trips, edges, errors, buffers."""
+import errno
+import os
+import warnings
+import zlib
+
+import pytest
+import torch
+
+from zerokit.io import aio as aio_mod
+from zerokit.io import AioConfig, AioError, AsyncIO, BufferPool, ChecksumError, aligned_empty
+from zerokit.io import native_available
+
+BACKENDS = [
+    pytest.param("native", marks=pytest.mark.skipif(
+        not native_available(), reason="zerokit.io._aio not built (no C++ compiler at install)")),
+    "python",
+]
+BS = 16384  # small blocks so a few KiB already span several blocks
+CFG = AioConfig(block_size=BS, queue_depth=4, thread_count=2)
+
+
+@pytest.fixture(params=BACKENDS)
+def aio(request):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        a = AsyncIO(CFG, backend=request.param)
+    yield a
+    a.close()
+
+
+def _rand(n, skew=0):
+    """n random bytes whose address is `skew` past a 4096 boundary."""
+    t = aligned_empty(n, residue=skew)
+    t.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+    return t
+
+
+@pytest.mark.parametrize("n", [0, 1, 511, 4095, 4096, 4097, BS - 1, BS + 1, 3 * BS + 77])
+@pytest.mark.parametrize("skew", [0, 64, 1])
+def test_round_trip_sizes_and_alignment(aio, tmp_path, n, skew):
+    src = _rand(n, skew)
+    path = str(tmp_path / "f")
+    for off in (0, skew, 4096 + 3):
+        h = aio.write(path, src, off, checksums=True)
+        assert h.wait() == n
+        assert os.path.getsize(path) >= (off + n if n else 0)
+        dst = _rand(n, (skew + 7) % 4096)  # another residue: exercises staging on read
+        assert aio.read(path, dst, off, expected_checksums=h.checksums).wait() == n
+        assert torch.equal(dst, src), (n, skew, off)
+        os.unlink(path)
+
+
+def test_file_size_is_exact_after_direct_write(aio, tmp_path):
+    path = str(tmp_path / "f")
+    aio.write(path, _rand(5000, 64), 64).wait()
+    assert os.path.getsize(path) == 5064  # the sector padding of O_DIRECT is cut back
+
+
+def test_unaligned_write_keeps_neighbouring_bytes(aio, tmp_path):
+    path = str(tmp_path / "f")
+    base = _rand(3 * BS)
+    aio.write(path, base).wait()
+    patch = _rand(5000, 3)
+    aio.write(path, patch, 4100).wait()
+    expect = base.clone()
+    expect[4100:9100] = patch
+    got = torch.empty(3 * BS, dtype=torch.uint8)
+    aio.read(path, got).wait()
+    assert torch.equal(got, expect)
+
+
+def test_handles_are_async_and_idempotent(aio, tmp_path):
+    srcs = [_rand(2 * BS + i, i) for i in range(8)]
+    hs = [aio.write(str(tmp_path / f"f{i}"), s, fsync=(i == 0)) for i, s in enumerate(srcs)]
+    assert [h.wait() for h in hs] == [s.numel() for s in srcs]
+    assert all(h.done() for h in hs) and hs[0].wait() == srcs[0].numel()
+    outs = [torch.empty_like(s) for s in srcs]
+    rs = [aio.read(str(tmp_path / f"f{i}"), o) for i, o in enumerate(outs)]
+    aio.synchronize()
+    assert all(r.done() for r in rs)
+    for s, o in zip(srcs, outs):
+        assert torch.equal(s, o)
+
+
+def test_missing_file_names_path(aio, tmp_path):
+    path = str(tmp_path / "nope")
+    with pytest.raises(AioError) as ei:
+        aio.read(path, torch.empty(10, dtype=torch.uint8))
+    assert ei.value.errno == errno.ENOENT and path in str(ei.value)
+
+
+def test_short_file_is_an_error_not_garbage(aio, tmp_path):
+    path = str(tmp_path / "f")
+    aio.write(path, _rand(2 * BS + 100)).wait()
+    os.truncate(path, BS + 10)
+    with pytest.raises(AioError) as ei:
+        aio.read(path, torch.empty(2 * BS + 100, dtype=torch.uint8)).wait()
+    msg = str(ei.value)
+    assert "short file" in msg and path in msg and f"offset {BS}" in msg
+
+
+def test_corrupted_block_fails_checksum(aio, tmp_path):
+    path = str(tmp_path / "f")
+    src = _rand(3 * BS)
+    h = aio.write(path, src, checksums=True)
+    h.wait()
+    assert len(h.checksums) == 3
+    with open(path, "r+b") as f:
+        f.seek(2 * BS + 5)
+        b = f.read(1)
+        f.seek(2 * BS + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(ChecksumError) as ei:
+        aio.read(path, torch.empty(3 * BS, dtype=torch.uint8), expected_checksums=h.checksums).wait()
+    assert ei.value.offset == 2 * BS and path in str(ei.value)
+
+
+def test_checksum_algorithms_match_references(aio, tmp_path):
+    data = bytes(range(256)) * 60  # one block
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    h = aio.write(str(tmp_path / "f"), src, checksums=True)
+    h.wait()
+    if aio.checksum_algorithm == "crc32":
+        assert h.checksums == [zlib.crc32(data)]
+    else:
+        from zerokit.io import _aio
+        assert _aio.crc32c(torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+                           .data_ptr(), 9) == 0xE3069283  # the standard check value
+        assert h.checksums == [_aio.crc32c(src.data_ptr(), len(data))]
+
+
+@pytest.mark.skipif(not native_available(), reason="zerokit.io._aio not built")
+def test_native_uses_o_direct_where_the_filesystem_allows(tmp_path):
+    probe = str(tmp_path / "probe")
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT))
+        expected = True
+    except OSError:
+        expected = False
+    with AsyncIO(CFG, backend="native") as a:
+        h = a.write(str(tmp_path / "f"), _rand(BS))
+        h.wait()
+        assert h.direct is expected
+
+
+@pytest.mark.skipif(not native_available(), reason="zerokit.io._aio not built")
+def test_o_direct_refused_falls_back_to_buffered_with_one_warning(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(aio_mod.os, "open", no_direct)
+    aio_mod._warned.clear()
+    with AsyncIO(CFG, backend="native") as a, warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for i in range(3):
+            src = _rand(BS + 9, 64)
+            h = a.write(str(tmp_path / f"f{i}"), src)
+            h.wait()
+            assert not h.direct
+            dst = torch.empty_like(src)
+            a.read(str(tmp_path / f"f{i}"), dst).wait()
+            assert torch.equal(dst, src)
+    assert sum("O_DIRECT refused" in str(x.message) for x in w) == 1
+
+
+def test_config_matches_deepspeed_keys():
+    c = AioConfig.from_dict({"block_size": 8 << 20, "queue_depth": 16, "thread_count": 2,
+                             "single_submit": True, "overlap_events": False})
+    assert (c.block_size, c.queue_depth, c.thread_count) == (8 << 20, 16, 2)
+    with pytest.raises(ValueError, match="queue_depth"):
+        AioConfig.from_dict({"queue_dept": 4})
+    with pytest.raises(ValueError, match="4096"):
+        AioConfig(block_size=1000)
+
+
+def test_aligned_buffers_and_pool_reuse():
+    for residue in (0, 64, 4095):
+        t = aligned_empty(10000, residue=residue)
+        assert t.data_ptr() % 4096 == residue and t.numel() == 10000
+    pool = BufferPool(BS, 2, pin=False)
+    bufs = [pool.acquire(BS - 3, residue=64) for _ in range(2)]
+    assert all(b.data_ptr() % 4096 == 64 and b.numel() == BS - 3 for b in bufs)
+    with pytest.raises(TimeoutError):
+        pool.acquire(timeout=0.01)
+    for b in bufs:
+        pool.release(b)
+    for _ in range(50):
+        with pool.lease() as b:
+            assert b.numel() == BS
+    assert pool.allocations == 2 and pool.free_count == 2
+    with pytest.raises(ValueError, match="exceeds"):
+        pool.acquire(BS + 1)
+    with pytest.raises(ValueError, match="not a buffer"):
+        pool.release(torch.empty(4, dtype=torch.uint8))
