@@ -22,7 +22,7 @@ def explain(engine: "Engine") -> str:
     units = engine.units
     trainable = sum(u.numel for u in units if u.trainable)
     frozen = sum(u.numel for u in units if not u.trainable)
-    masters = sum(u.master.numel() for u in units if u.trainable)
+    masters = sum(u.master.numel() + u.host_numel for u in units if u.trainable)
     opt_name = type(engine.optimizer).__name__
     per_elem = STATE_BYTES_PER_ELEMENT.get(opt_name)
     state_now = ledger.bytes(kind="optimizer_state")
@@ -45,6 +45,20 @@ def explain(engine: "Engine") -> str:
         f"  optimizer: {opt_name} over {masters:,} fp32 master elements on this rank; state {state_line}",
         f"  gradient clipping: {cfg.gradient_clipping or 'off'}; reduce buckets of "
         f"{cfg.zero_optimization.reduce_bucket_size:,} elements",
+        *_offload_lines(engine),
         ledger.format(f"  bytes on rank {comm.rank} (before the first step)"),
     ]
     return "\n".join(lines)
+
+
+def _offload_lines(engine: "Engine") -> list[str]:
+    placement = getattr(engine, "placement", None)
+    if placement is None or not placement.offloads:
+        return []
+    stepper = engine.offload
+    host = sum(s.numel for s in stepper.shards)
+    total = sum(u.opt_range[1] - u.opt_range[0] for u in engine.units if u.trainable)
+    return [f"  {placement.describe()}",
+            f"    {host:,} of {total:,} optimizer elements on the host on rank {engine.comm.rank}: "
+            f"{_mib(stepper.device_bytes_saved())} left the device (master + optimizer state + "
+            f"gradients of the offloaded part)"]
