@@ -60,7 +60,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
     retire_constructed(model)
     for index, unit in enumerate(units):
         unit.index = index
-    stepper = _offload(units, placement)  # before the optimizer: it steps only the device parts
+    # Before the optimizer is built: torch's optimizer steps only the device parts.
+    stepper, placement = _offload(units, placement, comm.device, dtype)
     masters = [[u.master for u in units if u.trainable and u.group_index == g]
                for g in range(len(recipe.hyper))]
     torch_optimizer = build_optimizer(recipe, masters)
@@ -74,13 +75,22 @@ def initialize(model: nn.Module, optimizer: Any = None,
     return engine, torch_optimizer, dataloader, scheduler
 
 
-def _offload(units: list[Unit], placement: PlacementPolicy):
+def _offload(units: list[Unit], placement: PlacementPolicy, device: torch.device, dtype: torch.dtype):
+    if placement.auto:
+        import dataclasses
+        import logging
+
+        from zerokit.engine.auto_ratio import choose_ratio
+
+        ratio, why = choose_ratio(units, device, (4 if dtype != torch.float32 else 0) + 8 + 4)
+        logging.getLogger("zerokit").info("offload_optimizer.ratio auto: %s", why)
+        placement = dataclasses.replace(placement, ratio=ratio, auto=False, auto_reason=why)
     if not placement.offloads:
-        return None
+        return None, placement
     from zerokit.engine.host_step import HostStepper
     from zerokit.engine.offload import place_units
 
-    return HostStepper(place_units(units, placement), placement)
+    return HostStepper(place_units(units, placement), placement), placement
 
 
 def _scheduler(cfg, lr_scheduler: Any, torch_optimizer: torch.optim.Optimizer, user_optimizer: Any):

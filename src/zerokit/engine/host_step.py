@@ -31,8 +31,6 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostSha
     kind = type(optimizer)
     if kind in (torch.optim.Adam, torch.optim.AdamW, HostAdam):
         def adam(s: HostShard, g: dict, coef: float) -> None:
-            if g.get("amsgrad"):
-                raise ValueError("offload_optimizer: amsgrad=True has no host kernel; set amsgrad=False")
             adamw = g["adamw_mode"] if kind is HostAdam else \
                 kind is torch.optim.AdamW or bool(g.get("decoupled_weight_decay", False))
             b1, b2 = g["betas"]
@@ -73,6 +71,9 @@ class HostStepper:
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Follow `optimizer`'s param groups; fails here, naming it, if it has no host kernel."""
         self.family, self._step_fn = kernel_for(optimizer)
+        if any(g.get("amsgrad") for g in optimizer.param_groups):
+            raise ValueError(f"zero_optimization.offload_optimizer: {type(optimizer).__name__}"
+                             f"(amsgrad=True) has no host kernel; set amsgrad=False")
         self.optimizer = optimizer
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         for s in self.shards:

@@ -24,24 +24,24 @@ class PlacementPolicy:
     pin_memory: host buffers that cross to the device are page-locked (only where CUDA exists).
     delayed: the host step of step t overlaps step t+1's forward and backward (changes the math).
     warmup_steps: normal steps before the delay starts.
+    auto: ratio "auto": `ratio` is a placeholder until engine/auto_ratio.py measures and decides.
     """
 
     ratio: float = 0.0
     pin_memory: bool = False
     delayed: bool = False
     warmup_steps: int = 0
+    auto: bool = False
+    auto_reason: str = ""  # what "auto" measured and picked, for the plan
 
     @classmethod
     def from_config(cls, zero_cfg) -> "PlacementPolicy":
         off = zero_cfg.offload_optimizer
         if off.device != "cpu":
             return cls()
-        if off.ratio == "auto":
-            raise NotImplementedError(
-                "zero_optimization.offload_optimizer.ratio 'auto' is not implemented yet; give a "
-                "number in [0, 1] (1: full ZeRO-Offload, 0: no offload, between: Twin-Flow)")
-        return cls(float(off.ratio), off.pin_memory, off.delayed_update.enabled,
-                   off.delayed_update.warmup_steps)
+        auto = off.ratio == "auto"
+        return cls(1.0 if auto else float(off.ratio), off.pin_memory, off.delayed_update.enabled,
+                   off.delayed_update.warmup_steps, auto)
 
     @property
     def offloads(self) -> bool:
@@ -65,8 +65,10 @@ class PlacementPolicy:
             return "offload: none (master, optimizer state and gradients on the device)"
         what = ("ZeRO-Offload: master + optimizer state + gradient shards on the host"
                 if self.ratio >= 1.0 else
-                f"Twin-Flow: {self.ratio:g} of each optimizer shard on the host, "
-                f"{1 - self.ratio:g} on the device, stepped at the same time")
+                f"Twin-Flow: {self.ratio:.3g} of each optimizer shard on the host, "
+                f"{1 - self.ratio:.3g} on the device, stepped at the same time")
+        if self.auto_reason:
+            what += f" (auto: {self.auto_reason})"
         if self.delayed:
             what += (f"; delayed parameter update after {self.warmup_steps} steps "
                      f"(gradients one step stale)")

@@ -1,0 +1,232 @@
+"""ZeRO-Offload, Twin-Flow and the delayed parameter update (zero_optimization.offload_optimizer).
+
+- parity: offload (ratio 1), Twin-Flow (0.4) and ratio 0 give the weights of the same run without
+  offload, for stages 1, 2, 3 x fp32 / bf16 x world 1 and 2, with clipping (the host kernel's
+  fused grad_scale), gradient accumulation, an LR schedule, Adagrad, Lion and a user torch.optim
+  instance. fp32 within rtol 1e-6; bf16 within test_parity.py's two-part bound.
+- ratio "auto": measures host and device rates, picks a ratio in [0, 1] and says why (the plan).
+- delayed update: equals a one-process reference whose gradients, after the warm-up, are computed
+  on the weights one update behind.
+- ledger: device bytes per rank drop by the host part's master (16-bit compute only: in fp32 the
+  master is the weights) + 8 B of Adam state + 4 B of gradient per element, and those bytes
+  appear on the host tier.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_world
+from reference import global_batches, rank_micro_batch, tiny_gpt
+
+STEPS, MICRO, LR = 4, 2, 1e-3
+OPT = {"AdamW": {"lr": LR, "weight_decay": 0.1}, "Adagrad": {"lr": 1e-2, "weight_decay": 0.01},
+       "Lion": {"lr": 1e-4, "weight_decay": 0.1}}
+# (stage, dtype, gas, optimizer, extra) -> compared at these ratios (None: offload off).
+BASE = [(stage, dtype, 1, "AdamW", "") for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+EXTRA = [(2, "bf16", 2, "AdamW", ""), (1, "bf16", 2, "AdamW", ""), (2, "fp32", 1, "Adagrad", ""),
+         (3, "fp32", 1, "Lion", ""), (2, "fp32", 1, "AdamW", "schedule"),
+         (1, "fp32", 1, "AdamW", "user_adam")]
+RATIOS = {case: (1.0, 0.4) for case in BASE + EXTRA}
+RATIOS.update({(2, "fp32", 1, "AdamW", ""): (0.0, 0.4, 1.0), (2, "bf16", 1, "AdamW", ""): (0.0, 0.4, 1.0, "auto"),
+               (3, "fp32", 1, "Lion", ""): (1.0,)})
+
+
+def _config(stage, dtype, gas, opt, extra, ratio, delayed=None) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 2000}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0)
+    if ratio is not None:
+        zero["offload_optimizer"] = {"device": "cpu", "ratio": ratio,
+                                     **({"delayed_update": delayed} if delayed else {})}
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+           "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}, "zero_optimization": zero}
+    if extra != "user_adam":
+        cfg["optimizer"] = {"type": opt, "params": OPT[opt]}
+    if extra == "schedule":
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": LR,
+                                                            "warmup_num_steps": 3}}
+    return cfg
+
+
+def _train(rank, world, cfg, steps=STEPS, gas=1, user_adam=False, check_delay_after=None):
+    import zerokit
+
+    model = tiny_gpt()
+    opt = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=0.01) if user_adam else None
+    engine, _, _, _ = zerokit.initialize(model=model, optimizer=opt, config=cfg)
+    losses = []
+    for i, batch in enumerate(global_batches(steps, MICRO * world * gas)):
+        total = 0.0
+        for micro in range(gas):
+            x, y = rank_micro_batch(batch, rank, world, micro, gas)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / gas
+        if check_delay_after is not None and i >= check_delay_after:
+            assert engine.offload._worker is not None, "the delayed host update was joined in step()"
+        t = torch.tensor([total])
+        if world > 1:
+            torch.distributed.all_reduce(t)
+        losses.append(t.item() / world)
+    out = (losses, engine.consolidated_fp32_state_dict(), _ledger(engine))
+    engine.destroy()
+    return out
+
+
+def _ledger(engine) -> dict:
+    led = engine.ledger
+    table = {(t, k): led.bytes(tier=t, kind=k) for t in ("device", "host")
+             for k in ("weights", "grads", "master", "optimizer_state", "buffers")}
+    table["host_numel"] = sum(u.host_numel for u in engine.units)
+    table["opt_numel"] = sum(u.opt_range[1] - u.opt_range[0] for u in engine.units if u.trainable)
+    table["units"] = len(engine.units)
+    return table
+
+
+def _parity_world(rank: int, world: int) -> dict:
+    out = {}
+    for case, ratios in RATIOS.items():
+        stage, dtype, gas, opt, extra = case
+        for ratio in (None,) + ratios:
+            out[case, ratio] = _train(rank, world, _config(*case, ratio), gas=gas,
+                                      user_adam=extra == "user_adam")
+    return out
+
+
+def _close(case, got, want, lr=LR, steps=STEPS) -> None:
+    (losses, weights, _), (ref_losses, ref_weights, _) = got, want
+    if case[1] == "fp32":
+        # The host kernel and torch's optimizer order a few fp32 operations differently (about an
+        # ulp of an update); where a gradient element is near zero, Adam/Adagrad's normalisation
+        # can grow that to a small fraction of the step: hence an absolute floor of lr x 1e-4.
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
+        for name, w in ref_weights.items():
+            torch.testing.assert_close(weights[name], w, rtol=1e-6, atol=lr * 1e-4,
+                                       msg=lambda m: f"{case} {name}: {m}")
+        return
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-2, atol=0)
+    outside = total = 0
+    for name, w in ref_weights.items():  # test_parity.py's bf16 bound
+        torch.testing.assert_close(weights[name], w, rtol=0, atol=2 * lr * steps,
+                                   msg=lambda m: f"{case} {name}: {m}")
+        outside += int((~((weights[name] - w).abs() <= lr / 10 + 2 ** -8 * w.abs())).sum())
+        total += w.numel()
+    assert outside <= total * 1e-3, f"{case}: {outside} of {total} elements beyond lr/10"
+
+
+def _check_ledger(case, ratio, off: dict, on: dict) -> None:
+    k = on["host_numel"]
+    # The split is rounded to 64 elements per unit; otherwise it is the ratio of the shard.
+    assert abs(k - ratio * on["opt_numel"]) <= 64 * on["units"], (case, ratio, k, on["opt_numel"])
+    master = 4 if case[1] == "bf16" else 0  # fp32: the device master is the weights themselves
+    dev = lambda t: sum(v for key, v in t.items() if isinstance(key, tuple) and key[0] == "device")  # noqa: E731
+    # Adam's per-tensor step counters (4 B per unit) stay with torch's optimizer.
+    assert abs((dev(off) - dev(on)) - k * (master + 8 + 4)) <= 8 * on["units"], (case, ratio, off, on)
+    assert on["host", "master"] == 4 * k and on["host", "grads"] == 4 * k
+    assert on["host", "optimizer_state"] == 8 * k
+    assert on["device", "weights"] == off["device", "weights"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_offload_matches_no_offload(world: int) -> None:
+    results = [_parity_world(0, 1)] if world == 1 else run_world(_parity_world, world, timeout=300)
+    for rank_result in results:
+        for case, ratios in RATIOS.items():
+            off = rank_result[case, None]
+            for ratio in ratios:
+                lr = 1e-2 if case[3] == "Adagrad" else LR
+                _close((*case, ratio), rank_result[case, ratio], off, lr=lr)
+                if case[3] == "AdamW" and case[4] == "" and ratio != "auto":
+                    _check_ledger(case, ratio, off[2], rank_result[case, ratio][2])
+
+
+# ---- the delayed parameter update ------------------------------------------------------------
+DELAY_STEPS, WARMUP = 6, 2
+
+
+def stale_reference(batches, warmup: int, clip: float = 1.0):
+    """torch AdamW on fp32 weights where, after `warmup` + 1 fresh steps, each gradient is computed
+    on the weights one update behind (ZeRO-Offload's one-step delayed parameter update: step t's
+    update runs while step t+1 computes its gradient on the weights before it)."""
+    master = tiny_gpt()
+    compute = tiny_gpt()
+    opt = torch.optim.AdamW(master.parameters(), **OPT["AdamW"])
+    history = [[p.detach().clone() for p in master.parameters()]]  # weights after n updates
+    losses = []
+    for t, (x, y) in enumerate(batches):
+        used = history[t - 1] if t >= warmup + 1 else history[t]
+        with torch.no_grad():
+            for pc, w in zip(compute.parameters(), used):
+                pc.copy_(w)
+        loss = compute(x, y)
+        loss.backward()
+        for pc, pm in zip(compute.parameters(), master.parameters()):
+            pm.grad, pc.grad = pc.grad, None
+        torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        history.append([p.detach().clone() for p in master.parameters()])
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in master.named_parameters()}
+
+
+def _delayed_world(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (1, 2, 3):
+        cfg = _config(stage, "fp32", 1, "AdamW", "", 1.0,
+                      delayed={"enabled": True, "warmup_steps": WARMUP})
+        out[stage] = _train(rank, world, cfg, steps=DELAY_STEPS, check_delay_after=WARMUP)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_delayed_update_matches_stale_reference(world: int) -> None:
+    results = [_delayed_world(0, 1)] if world == 1 else run_world(_delayed_world, world, timeout=300)
+    ref_losses, ref = stale_reference(global_batches(DELAY_STEPS, MICRO * world), WARMUP)
+    fresh_losses, _ = stale_reference(global_batches(DELAY_STEPS, MICRO * world), DELAY_STEPS)
+    assert ref_losses[WARMUP + 1:] != fresh_losses[WARMUP + 1:]  # the staleness is visible
+    for rank_result in results:
+        for stage, (losses, weights, _) in rank_result.items():
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+            for name, w in ref.items():
+                torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"stage {stage} {name}: {m}")
+
+
+# ---- errors ------------------------------------------------------------------------------------
+def test_offload_errors_name_the_problem() -> None:
+    import zerokit
+    from zerokit.config import ConfigError
+
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    with pytest.raises(ConfigError, match="offload_optimizer.device 'cpu' needs stage 1, 2 or 3"):
+        zerokit.initialize(model=tiny_gpt(), config={**base, "zero_optimization": {
+            "stage": 0, "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ConfigError, match=r"ratio must be in \[0, 1\]"):
+        zerokit.initialize(model=tiny_gpt(), config={**base, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}})
+    with pytest.raises(ConfigError, match="delayed_update needs ratio 1"):
+        zerokit.initialize(model=tiny_gpt(), config={**base, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5,
+                                              "delayed_update": {"enabled": True}}}})
+    sgd = {**base, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(TypeError, match="torch.optim.sgd.SGD has no host kernel; offload supports"):
+        zerokit.initialize(model=tiny_gpt(), config=sgd)
+
+
+def test_auto_ratio_picks_and_explains() -> None:
+    import zerokit
+    from zerokit.config.plan import explain
+
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": "auto"}}})
+    placement = engine.placement
+    assert 0.0 <= placement.ratio <= 1.0 and not placement.auto
+    assert "elements/s" in placement.auto_reason and "auto:" in explain(engine)
+    assert sum(u.host_numel for u in engine.units) == sum(
+        placement.host_numel(u.opt_range[1] - u.opt_range[0]) for u in engine.units)
+    engine.destroy()
