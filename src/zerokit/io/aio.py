@@ -100,7 +100,7 @@ class AioError(OSError):
         self.filename = path
 
     def with_key(self, key: str) -> "AioError":
-        return AioError(self.errno, self.what, self.path, offset=self.offset, key=key)
+        return type(self)(self.errno, self.what, self.path, offset=self.offset, key=key)
 
 
 class ChecksumError(AioError):
