@@ -39,6 +39,7 @@ import _common as C  # noqa: E402
 ROWS: dict[str, tuple[str, int | None, str]] = {
     "ddp": ("ddp", None, "torch DDP"),
     "fsdp2": ("fsdp2", None, "torch FSDP2 fully_shard"),
+    "fsdp2-rs": ("fsdp2", 3, "FSDP2 reshard_after_forward"),
     "ds-z1": ("deepspeed", 1, "DeepSpeed ZeRO-1"),
     "ds-z2": ("deepspeed", 2, "DeepSpeed ZeRO-2"),
     "ds-z3": ("deepspeed", 3, "DeepSpeed ZeRO-3"),
@@ -48,7 +49,7 @@ ROWS: dict[str, tuple[str, int | None, str]] = {
     "zk-z3": ("zerokit", 3, "zerokit stage 3"),
 }
 DEFAULT_ROWS = ["ddp", "fsdp2", "ds-z1", "ds-z2", "zk-z0", "zk-z1", "zk-z2"]
-ZERO3_ROWS = ["ds-z3", "zk-z3"]
+ZERO3_ROWS = ["fsdp2-rs", "ds-z3", "zk-z3"]
 GROUPS = {
     "peers": ["ddp", "fsdp2", "ds-z1", "ds-z2"],
     "deepspeed": ["ds-z1", "ds-z2", "ds-z3"],
@@ -165,7 +166,7 @@ def setup_ddp(args, rec):
     return model, step
 
 
-def setup_fsdp2(args, rec):
+def setup_fsdp2(args, rec, reshard: bool = False):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -176,8 +177,8 @@ def setup_fsdp2(args, rec):
     rec["rss_baseline_mb"] = C.current_rss_mb()
     model = _build_model(args)
     for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
 
     def step(x, y):
@@ -241,7 +242,12 @@ def zerokit_config(args, stage):
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": dict(ADAMW)},
-        "zero_optimization": {"stage": stage},
+        # Stage 3 as FSDP2 with reshard_after_forward: release each block after use, prefetch one
+        # block (3.2M elements) ahead; DeepSpeed's defaults (reuse distance and live cap 1e9)
+        # would keep the whole model gathered through the step at this size.
+        "zero_optimization": {"stage": stage, **({"stage3_prefetch_bucket_size": 4_000_000,
+                                                  "stage3_max_reuse_distance": 0}
+                                                 if stage == 3 else {})},
     }
 
 
@@ -291,7 +297,7 @@ def run_worker(args) -> int:
             if family == "ddp":
                 model, step = setup_ddp(args, rec)
             elif family == "fsdp2":
-                model, step = setup_fsdp2(args, rec)
+                model, step = setup_fsdp2(args, rec, reshard=stage == 3)
             elif family == "deepspeed":
                 model, step = setup_deepspeed(args, rec, stage)
             elif family == "zerokit":
