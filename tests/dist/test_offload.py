@@ -24,7 +24,7 @@ OPT = {"AdamW": {"lr": LR, "weight_decay": 0.1}, "Adagrad": {"lr": 1e-2, "weight
        "Lion": {"lr": 1e-4, "weight_decay": 0.1}}
 # (stage, dtype, gas, optimizer, extra) -> compared at these ratios (None: offload off).
 BASE = [(stage, dtype, 1, "AdamW", "") for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
-EXTRA = [(2, "bf16", 2, "AdamW", ""), (1, "bf16", 2, "AdamW", ""), (2, "fp32", 1, "Adagrad", ""),
+EXTRA = [(2, "fp16", 1, "AdamW", ""), (2, "bf16", 2, "AdamW", ""), (1, "bf16", 2, "AdamW", ""), (2, "fp32", 1, "Adagrad", ""),
          (3, "fp32", 1, "Lion", ""), (2, "fp32", 1, "AdamW", "schedule"),
          (1, "fp32", 1, "AdamW", "user_adam")]
 RATIOS = {case: (1.0, 0.4) for case in BASE + EXTRA}
@@ -40,7 +40,9 @@ def _config(stage, dtype, gas, opt, extra, ratio, delayed=None) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "ratio": ratio,
                                      **({"delayed_update": delayed} if delayed else {})}
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-           "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}, "zero_optimization": zero}
+           "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}, "zero_optimization": zero,
+           # fp16: a loss scale high enough to overflow in the first steps (skipped-step path)
+           "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 20, "hysteresis": 1}}
     if extra != "user_adam":
         cfg["optimizer"] = {"type": opt, "params": OPT[opt]}
     if extra == "schedule":
@@ -82,6 +84,7 @@ def _ledger(engine) -> dict:
     table["host_numel"] = sum(u.host_numel for u in engine.units)
     table["opt_numel"] = sum(u.opt_range[1] - u.opt_range[0] for u in engine.units if u.trainable)
     table["units"] = len(engine.units)
+    table["skipped"] = engine.skipped_steps
     return table
 
 
@@ -120,7 +123,7 @@ def _check_ledger(case, ratio, off: dict, on: dict) -> None:
     k = on["host_numel"]
     # The split is rounded to 64 elements per unit; otherwise it is the ratio of the shard.
     assert abs(k - ratio * on["opt_numel"]) <= 64 * on["units"], (case, ratio, k, on["opt_numel"])
-    master = 4 if case[1] == "bf16" else 0  # fp32: the device master is the weights themselves
+    master = 4 if case[1] != "fp32" else 0  # fp32: the device master is the weights themselves
     dev = lambda t: sum(v for key, v in t.items() if isinstance(key, tuple) and key[0] == "device")  # noqa: E731
     # Adam's per-tensor step counters (4 B per unit) stay with torch's optimizer.
     assert abs((dev(off) - dev(on)) - k * (master + 8 + 4)) <= 8 * on["units"], (case, ratio, off, on)
@@ -138,6 +141,9 @@ def test_offload_matches_no_offload(world: int) -> None:
             for ratio in ratios:
                 lr = 1e-2 if case[3] == "Adagrad" else LR
                 _close((*case, ratio), rank_result[case, ratio], off, lr=lr)
+                assert rank_result[case, ratio][2]["skipped"] == off[2]["skipped"], (case, ratio)
+                if case[1] == "fp16":  # the overflow path ran: steps were skipped, then taken
+                    assert 0 < off[2]["skipped"] < STEPS, off[2]["skipped"]
                 if case[3] == "AdamW" and case[4] == "" and ratio != "auto":
                     _check_ledger(case, ratio, off[2], rank_result[case, ratio][2])
 

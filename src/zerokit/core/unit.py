@@ -256,16 +256,24 @@ class Unit:
             # One bucket = the same column range of every rank's shard, so a reduce-scatter of it
             # hands each rank its own piece.
             bucket = rows[:, lo:hi].contiguous() if (lo, hi) != (0, self.shard_numel) else full
-            handles.append(comm.reduce_scatter(out[lo:hi], bucket.view(-1), self._where(lo, chunk),
-                                               average=True, async_op=True))
-        return _join(handles, lambda: (self._accept_grad(out), release()))
-
-    def _accept_grad(self, out: torch.Tensor) -> None:
-        """Add this rank's reduced gradient shard to the master gradient, wherever it lives."""
+            handle = comm.reduce_scatter(out[lo:hi], bucket.view(-1), self._where(lo, chunk),
+                                         average=True, async_op=True)
+            if self.host is not None:  # offload: each bucket leaves for the host once reduced
+                handle = _join([handle], lambda lo=lo, hi=hi: self._accept_grad(out, lo, hi))
+            handles.append(handle)
         if self.host is not None:
-            self.host.take_grad(out[:self.host_numel])
-            out = out[self.host_numel:]
-        self.master_grad.add_(out)
+            return _join(handles, release)
+        return _join(handles, lambda: (self._accept_grad(out, 0, self.shard_numel), release()))
+
+    def _accept_grad(self, out: torch.Tensor, lo: int, hi: int) -> None:
+        """Add elements [lo, hi) of this rank's reduced gradient shard to the master gradient,
+        wherever each element's master lives (host part first, then the device part)."""
+        k = self.host_numel
+        if lo < k:
+            self.host.take_grad(out[lo:min(hi, k)], lo)
+        if hi > k:
+            start = max(lo, k)
+            self.master_grad[start - k:hi - k].add_(out[start:hi])
 
     def _where(self, lo: int, step: int) -> str:
         return f"unit '{self.name}'" if step >= self.padded_numel else \

@@ -5,9 +5,9 @@ elements of its optimizer range get an fp32 master, optimizer state and gradient
 host tier (a HostShard), and the unit's device `master` / `master_grad` shrink to the rest. The
 ledger records both tiers, so the plan and the tests read the bytes that left the device.
 
-Bytes cross twice per step and per unit: the reduced gradient shard device -> host as each unit's
-reduction completes (on CUDA: a side stream into a pinned staging buffer, added on the host when
-the step needs it), and the new weights host -> device after the host step (16-bit out of the
+Bytes cross twice per step and per unit: the reduced gradient shard device -> host bucket by
+bucket as each bucket's reduce-scatter completes (on CUDA: a side stream into a pinned staging
+buffer, added on the host when the step needs it), and the new weights host -> device after the host step (16-bit out of the
 kernel's fused output where the compute dtype is 16-bit, else the fp32 master itself).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class HostShard:
         self.out16 = (self._alloc(unit.compute_dtype, pin=self.pin)
                       if unit.compute_dtype != torch.float32 else None)
         self.staging = self._alloc(torch.float32, pin=True) if cuda else None
-        self._staged: torch.cuda.Event | None = None
+        self._staged: list[tuple[torch.cuda.Event, int, int]] = []  # copies in flight
         self.busy: threading.Event | None = None  # set while a worker may write master/state
         led, name = unit.ledger, unit.name
         led.hold(f"{name}/host_master", "master", self.master, tier="host")
@@ -71,26 +71,29 @@ class HostShard:
                                     4 * self.numel * len(self.state))
 
     # ---- gradients in ------------------------------------------------------------------------
-    def take_grad(self, part: torch.Tensor) -> None:
-        """Add a reduced gradient piece (this rank's, already averaged) to the host gradient."""
+    def take_grad(self, part: torch.Tensor, offset: int) -> None:
+        """Add a reduced gradient bucket (this rank's, averaged) at `offset` of the host gradient."""
+        lo, hi = offset, offset + part.numel()
         if part.device.type == "cpu":
-            self.grad.add_(part)
+            self.grad[lo:hi].add_(part)
             return
-        self.settle()  # an earlier micro-step's piece still in the staging buffer
+        if any(a < hi and lo < b for _, a, b in self._staged):
+            self.settle()  # an earlier micro-step's bucket still occupies this staging range
         side = _side_stream(part.device)
         side.wait_stream(torch.cuda.current_stream(part.device))
         with torch.cuda.stream(side):
-            self.staging.copy_(part, non_blocking=True)
+            self.staging[lo:hi].copy_(part, non_blocking=True)
             part.record_stream(side)
-            self._staged = torch.cuda.Event()
-            self._staged.record(side)
+            done = torch.cuda.Event()
+            done.record(side)
+        self._staged.append((done, lo, hi))
 
     def settle(self) -> None:
-        """Finish a device -> host gradient copy in flight (CUDA) and accumulate it."""
-        if self._staged is not None:
-            self._staged.synchronize()
-            self._staged = None
-            self.grad.add_(self.staging)
+        """Finish the device -> host gradient copies in flight (CUDA) and accumulate them."""
+        for done, lo, hi in self._staged:
+            done.synchronize()
+            self.grad[lo:hi].add_(self.staging[lo:hi])
+        self._staged = []
 
     def grad_sq_norm(self) -> torch.Tensor:
         self.settle()
