@@ -236,3 +236,31 @@ def test_auto_ratio_picks_and_explains() -> None:
     assert sum(u.host_numel for u in engine.units) == sum(
         placement.host_numel(u.opt_range[1] - u.opt_range[0]) for u in engine.units)
     engine.destroy()
+
+
+def test_gathered_edit_reaches_host_master_under_delayed_update() -> None:
+    """An edit through GatheredParameters lands in the host master and survives the delayed
+    update's write-back of weights computed before it."""
+    import zerokit
+    from zerokit.zero import GatheredParameters
+
+    model = tiny_gpt()
+    engine, *_ = zerokit.initialize(model=model, config=_config(
+        3, "bf16", 1, "AdamW", "", 1.0, delayed={"enabled": True, "warmup_steps": 0}))
+    batches = global_batches(3, MICRO)
+    for x, y in batches[:2]:
+        engine.backward(engine(x, y))
+        engine.step()  # the second step's host update is still in flight
+    weight = model.transformer.h[1].mlp.c_fc.weight
+    with GatheredParameters([weight], modifier_rank=0):
+        with torch.no_grad():
+            weight.fill_(0.5)
+    name = "transformer.h.1.mlp.c_fc.weight"
+    assert torch.equal(engine.consolidated_fp32_state_dict()[name], torch.full_like(weight, 0.5))
+    x, y = batches[2]
+    engine.backward(engine(x, y))  # runs on the edited weights (the write-back kept the edit)
+    engine.step()
+    with GatheredParameters(weight):
+        moved = (weight.detach().float() - 0.5).abs()
+    assert moved.max() < 0.01, moved.max()  # one update (lr 1e-3) away from the edit, not undone
+    engine.destroy()

@@ -134,6 +134,8 @@ class HostShard:
         new = new.to("cpu")
         changed = new != self.master.to(new.dtype)
         self.master[changed] = new[changed].float()
+        if self.out16 is not None:  # a delayed update's write-back must not undo the edit
+            self.out16[changed] = new[changed].to(self.out16.dtype)
 
 
 _SIDE: dict[torch.device, "torch.cuda.Stream"] = {}
