@@ -88,13 +88,22 @@ class SavedTensors:
                 f = self.files[piece.rank] = ShardFile(os.path.join(self.path, shard_file(piece.rank)))
             f.read_range(piece.tensor, piece.lo, piece.hi, out[piece.dst_lo:piece.dst_hi])
 
-    def fill(self, unit, kind: str, a: int, b: int, out: torch.Tensor, names: set[str]) -> None:
-        """out[i] = element a + i of the unit's flat layout, from the saved `kind`; padding is 0."""
-        staging = out if out.device.type == "cpu" and out.is_contiguous() else \
-            torch.zeros(b - a, dtype=out.dtype)
+    def fill(self, unit, kind: str, a: int, b: int, out: torch.Tensor, names: set[str],
+             zero_rest: bool = False) -> None:
+        """out[i] = element a + i of the unit's flat layout, from the saved `kind`. Elements no
+        loaded parameter covers (padding, parameters the checkpoint lacks) keep their value, or
+        become 0 with zero_rest."""
+        staging = out if out.device.type == "cpu" and out.is_contiguous() else out.detach().cpu()
+        done = 0
         for s, lo, hi in overlaps(unit.slots, a, b):
             if s.fqn in names:
-                self.read(s.fqn, kind, lo, hi, staging, s.offset + lo - a)
+                dst = s.offset + lo - a
+                if zero_rest and dst > done:
+                    staging[done:dst].zero_()
+                self.read(s.fqn, kind, lo, hi, staging, dst)
+                done = dst + hi - lo
+        if zero_rest and done < b - a:
+            staging[done:].zero_()
         if staging is not out:
             out.copy_(staging)
 
@@ -174,7 +183,7 @@ def _load_optimizer(engine: "Engine", saved: SavedTensors, layout: Layout, names
             raise ValueError(f"unit {u.name}: its parameters come from saved units with different "
                              f"optimizer state ({sorted(keysets)}); cannot merge them")
         (keys,) = keysets
-        opt.state.pop(u.master, None)
+        old = opt.state.pop(u.master, {})
         if not keys:  # never stepped: no state, as a fresh optimizer
             continue
         a, b = u.opt_range
@@ -183,8 +192,11 @@ def _load_optimizer(engine: "Engine", saved: SavedTensors, layout: Layout, names
         for k, v in common["optim_scalars"].get(first, {}).items():
             state[k] = v.to(u.master.device) if torch.is_tensor(v) and v.dim() > 0 else v
         for k in keys:
-            t = torch.zeros_like(u.master, dtype=torch.float32)
-            saved.fill(u, f"optim.{k}", a, b, t, names)
+            # Reuse this optimizer's tensor where it has one: fresh memory costs page faults.
+            t = old.get(k)
+            if not (torch.is_tensor(t) and t.shape == u.master.shape and t.dtype == torch.float32):
+                t = torch.empty_like(u.master, dtype=torch.float32)
+            saved.fill(u, f"optim.{k}", a, b, t, names, zero_rest=True)
             state[k] = t
         opt.state[u.master] = state
 
