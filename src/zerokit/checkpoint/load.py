@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from zerokit.checkpoint.metadata import COMMON, FORMAT, META, Layout, check_names, overlaps, rank_file, shard_file
-from zerokit.checkpoint.save import LATEST, _sampler, persistent_buffers, wait_for_checkpoint
+from zerokit.checkpoint.save import (LATEST, _sampler, persistent_buffers, refuse_offload,
+                                     wait_for_checkpoint)
 from zerokit.checkpoint.storage import ShardFile
 from zerokit.core.unit import WeightState
 
@@ -116,6 +117,7 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, load_modul
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
     """Collective. Returns (tag directory, client_state), or (None, None) if there is no `latest`."""
+    refuse_offload(engine, "load")
     wait_for_checkpoint(engine)
     engine.comm.barrier("load_checkpoint (previous saves committed)")
     resolved = resolve_tag(load_dir, tag)

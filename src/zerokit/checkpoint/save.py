@@ -86,6 +86,7 @@ def wait_for_checkpoint(engine: "Engine") -> None:
 def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_state: dict | None = None,
                     save_latest: bool = True) -> str:
     """Collective. Returns the tag directory (it exists once every rank returns, unless async)."""
+    refuse_offload(engine, "save")
     wait_for_checkpoint(engine)  # the next save waits for the previous one
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
@@ -122,6 +123,16 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
         err = None
     _agree(engine, err, "committing", tmp)
     return final
+
+
+def refuse_offload(engine: "Engine", what: str) -> None:
+    """Offloaded optimizer state lives in engine.offload (host / Twin-Flow), not in the torch
+    optimizer's state: until the checkpoint covers it, refuse rather than save half a state."""
+    if getattr(engine, "offload", None) is not None:
+        raise NotImplementedError(
+            f"checkpoint {what} with zero_optimization.offload_optimizer is not implemented yet: the "
+            f"host optimizer state (engine.offload) would be missing; train without offload to "
+            f"checkpoint, or use engine.consolidated_fp32_state_dict() for the weights")
 
 
 def _attempt(fn: Callable[[], None], tmp: str) -> BaseException | None:
