@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
-import torch
 
 from zerokit.checkpoint.storage import DTYPE_NAMES
 
@@ -160,8 +159,3 @@ def check_names(layout: Layout, engine: "Engine", strict: bool) -> list[str]:
         raise RuntimeError("error loading the checkpoint (load_module_strict=True): " + "; ".join(parts))
     return [n for n in ours if n in layout.params]
 
-
-def dtype_of(name: str) -> torch.dtype:
-    from zerokit.checkpoint.storage import DTYPE_BY_NAME
-
-    return DTYPE_BY_NAME[name]
