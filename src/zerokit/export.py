@@ -11,62 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import struct
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
-import torch
-
+from zerokit.checkpoint.storage import SafetensorsWriter
 from zerokit.core.unit import WeightState
 
 if TYPE_CHECKING:
     from zerokit.engine.engine import Engine
-
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
-
-
-class _StreamingFile:
-    """One safetensors file whose tensors arrive in header order."""
-
-    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str]):
-        header: dict[str, object] = {"__metadata__": metadata}
-        offset = 0
-        for name, dtype, shape in entries:
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.path, self.tmp = path, path + ".tmp"
-        self.f: BinaryIO = open(self.tmp, "wb")
-        self.f.write(struct.pack("<Q", len(raw)) + raw)
-        self.expected = [e[0] for e in entries]
-        self.written = 0
-        self.size = offset
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        if self.expected[self.written] != name:
-            raise RuntimeError(f"{self.path}: tensor {name!r} arrived out of order "
-                               f"(expected {self.expected[self.written]!r})")
-        # A copy: numpy on the live weights would pin their storage, which stage 3 must resize.
-        self.f.write(t.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())
-        self.written += 1
-
-    def commit(self) -> None:
-        if self.written != len(self.expected):
-            raise RuntimeError(f"{self.path}: {len(self.expected) - self.written} tensors never written")
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
-
-    def abort(self) -> None:
-        self.f.close()
-        if os.path.exists(self.tmp):
-            os.remove(self.tmp)
-
 
 def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "model.safetensors",
                      max_shard_bytes: int = 5 * 2**30, exclude_frozen_parameters: bool = False) -> list[str]:
@@ -92,7 +43,8 @@ def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "mode
     weight_map: dict[str, str] = {}
     for file_units, name in zip(plan, names):
         entries = [(s.fqn, u.compute_dtype, tuple(s.shape)) for u in file_units for s in u.slots]
-        out = _StreamingFile(os.path.join(save_dir, name), entries, {"format": "pt"}) if rank0 else None
+        final = os.path.join(save_dir, name)
+        out = SafetensorsWriter(final + ".tmp", entries, {"format": "pt"}) if rank0 else None
         try:
             for u in file_units:
                 gathered = u.state is WeightState.SHARDED
@@ -100,15 +52,20 @@ def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "mode
                 u.wait_weights()
                 if out is not None:
                     for s in u.slots:
-                        out.write(s.fqn, u.flat[s.offset:s.offset + s.numel].view(s.shape))
+                        # A copy: numpy on the live weights would pin their storage, which
+                        # stage 3 must resize when it releases the unit.
+                        out.write(s.fqn, u.flat[s.offset:s.offset + s.numel].view(s.shape).clone())
                         weight_map[s.fqn] = name
                 if gathered:
                     u.release()
             if out is not None:
-                out.commit()
+                out.close()
+                os.replace(final + ".tmp", final)
         except BaseException:
             if out is not None:
                 out.abort()
+                if os.path.exists(final + ".tmp"):
+                    os.remove(final + ".tmp")
             raise
     if rank0 and len(names) > 1:
         index = {"metadata": {"total_size": sum(u.numel * u.flat.element_size() for u in units)},
