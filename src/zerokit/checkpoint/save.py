@@ -128,7 +128,7 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
 def refuse_offload(engine: "Engine", what: str) -> None:
     """Offloaded optimizer state lives in engine.offload (host / Twin-Flow), not in the torch
     optimizer's state: until the checkpoint covers it, refuse rather than save half a state."""
-    if getattr(engine, "offload", None) is not None:
+    if engine.offload is not None:
         raise NotImplementedError(
             f"checkpoint {what} with zero_optimization.offload_optimizer is not implemented yet: the "
             f"host optimizer state (engine.offload) would be missing; train without offload to "

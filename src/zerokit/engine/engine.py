@@ -269,9 +269,6 @@ class Engine(nn.Module):
     # ---- checkpoints (zerokit.checkpoint does the work) ----------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> None:
-        if self.offload is not None:
-            raise NotImplementedError("save_checkpoint with zero_optimization.offload_optimizer is not "
-                                      "implemented yet (the host optimizer state is not saved)")
         from zerokit.checkpoint import save_checkpoint
 
         save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
@@ -279,9 +276,6 @@ class Engine(nn.Module):
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
-        if self.offload is not None:
-            raise NotImplementedError("load_checkpoint with zero_optimization.offload_optimizer is not "
-                                      "implemented yet (the host optimizer state is not saved)")
         from zerokit.checkpoint import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
