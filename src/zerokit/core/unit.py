@@ -255,8 +255,7 @@ class Unit:
             hi = min(lo + chunk, self.shard_numel)
             # One bucket = the same column range of every rank's shard, so a reduce-scatter of it
             # hands each rank its own piece.
-            bucket = rows[:, lo:hi].contiguous() if (lo, hi) != (0, self.shard_numel) else full
-            handle = comm.reduce_scatter(out[lo:hi], bucket.view(-1), self._where(lo, chunk),
+            handle = comm.reduce_scatter(out[lo:hi], rows[:, lo:hi], self._where(lo, chunk),
                                          average=True, async_op=True)
             if self.host is not None:  # offload: each bucket leaves for the host once reduced
                 handle = _join([handle], lambda lo=lo, hi=hi: self._accept_grad(out, lo, hi))
