@@ -1,6 +1,8 @@
 """Exact resume: save after step k, load into a fresh engine, train on == never stopping, bit for bit.
 
-Stages 0-3 x fp32/bf16 x world size 1 and 2, saved after an even and an odd step. The inputs
+Stages 0-3 x fp32/bf16 x world size 1 and 2, saved after an even and an odd step; with
+offload_optimizer too (stages 1-3: ZeRO-Offload, Twin-Flow ratio 0.4, and the delayed update,
+saved once in its warm-up and once with an update pending). The inputs
 depend on everything a resume must restore: the engine's own data loader (its epoch and position;
 an epoch is 3 batches, so the runs cross epoch boundaries), and per-rank torch / numpy / python
 random numbers added to the tokens. An lr warm-up makes the scheduler state matter. The resumed
@@ -20,17 +22,27 @@ from harness import run_world
 from reference import tiny_gpt
 
 STEPS, SAVE_AT, MICRO = 5, (2, 3), 2
-CASES = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
+CASES = [(stage, dtype, "none") for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
+# offload_optimizer placements; the delayed update's warm-up of 2 makes the save after step 2
+# happen with no update pending, the one after step 3 with one pending.
+PLACEMENTS = {"none": None, "offload": {"device": "cpu", "ratio": 1.0},
+              "twin-flow": {"device": "cpu", "ratio": 0.4},
+              "delayed": {"device": "cpu", "ratio": 1.0,
+                          "delayed_update": {"enabled": True, "warmup_steps": 2}}}
+OFFLOAD_CASES = [(stage, dtype, placement) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")
+                 for placement in ("offload", "twin-flow", "delayed")]
 
 
-def _config(stage: int, dtype: str) -> dict:
+def _config(stage: int, dtype: str, placement: str = "none") -> dict:
+    offload = PLACEMENTS[placement]
     return {"train_micro_batch_size_per_gpu": MICRO,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2,
                                                          "warmup_type": "linear"}},
             "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
-                                  **({"stage3_param_persistence_threshold": 100} if stage == 3 else {})}}
+                                  **({"stage3_param_persistence_threshold": 100} if stage == 3 else {}),
+                                  **({"offload_optimizer": offload} if offload else {})}}
 
 
 def _dataset(world: int) -> torch.utils.data.TensorDataset:
@@ -70,25 +82,27 @@ def _seed_everything(rank: int) -> None:
     random.seed(300 + rank)
 
 
-def _resume_cases(rank: int, world: int, root: str) -> dict:
+def _resume_cases(rank: int, world: int, root: str, cases: list) -> dict:
     import zerokit
 
     out = {}
-    for stage, dtype in CASES:
-        ckpt = os.path.join(root, f"s{stage}-{dtype}")
+    for stage, dtype, placement in cases:
+        ckpt = os.path.join(root, f"s{stage}-{dtype}-{placement}")
         _seed_everything(rank)
-        engine, _, loader, _ = zerokit.initialize(model=tiny_gpt(0), config=_config(stage, dtype),
+        engine, _, loader, _ = zerokit.initialize(model=tiny_gpt(0), config=_config(stage, dtype, placement),
                                                   training_data=_dataset(world))
 
         def save(step: int) -> None:
             if step in SAVE_AT:
                 engine.save_checkpoint(ckpt, client_state={"step": step, "note": [stage, dtype]})
+                if placement == "delayed":  # the update in flight when saved, or none in warm-up
+                    assert (engine.offload._worker is not None) == (step > 2), step
         full = _train(engine, loader, STEPS, save)
         final = engine.consolidated_fp32_state_dict()
         engine.destroy()
         for k in SAVE_AT:
             _seed_everything(rank + 50)  # the load must restore the RNG, not the seeds
-            engine, _, loader, _ = zerokit.initialize(model=tiny_gpt(1), config=_config(stage, dtype),
+            engine, _, loader, _ = zerokit.initialize(model=tiny_gpt(1), config=_config(stage, dtype, placement),
                                                       training_data=_dataset(world))
             path, client = engine.load_checkpoint(ckpt, tag=f"global_step{k}")
             assert path == os.path.join(ckpt, f"global_step{k}")
@@ -97,7 +111,7 @@ def _resume_cases(rank: int, world: int, root: str) -> dict:
             rest = _train(engine, loader, STEPS - k)
             resumed = engine.consolidated_fp32_state_dict()
             engine.destroy()
-            out[(stage, dtype, k)] = (full[k:], rest, final, resumed)
+            out[(stage, dtype, placement, k)] = (full[k:], rest, final, resumed)
         # `latest` names the newest complete tag.
         with open(os.path.join(ckpt, "latest")) as f:
             assert f.read() == f"global_step{SAVE_AT[-1]}"
@@ -112,13 +126,22 @@ def _check(results: dict) -> None:
                 f"{case}: {name} differs after resume (max |diff| {(resumed[name] - w).abs().max()})"
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_exact_resume(world: int) -> None:
+def _run(world: int, cases: list) -> None:
     with tempfile.TemporaryDirectory() as root:
         if world == 1:
-            results = [_resume_cases(0, 1, root)]
+            results = [_resume_cases(0, 1, root, cases)]
         else:
-            results = run_world(_resume_cases, world, root, timeout=300)
+            results = run_world(_resume_cases, world, root, cases, timeout=600)
     for r in results:
         _check(r)
-        assert len(r) == len(CASES) * len(SAVE_AT)
+        assert len(r) == len(cases) * len(SAVE_AT)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_exact_resume(world: int) -> None:
+    _run(world, CASES)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_exact_resume_with_offload(world: int) -> None:
+    _run(world, OFFLOAD_CASES)

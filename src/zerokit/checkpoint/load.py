@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from zerokit.checkpoint.metadata import COMMON, FORMAT, META, Layout, check_names, overlaps, rank_file, shard_file
-from zerokit.checkpoint.save import (LATEST, _sampler, persistent_buffers, refuse_offload,
-                                     wait_for_checkpoint)
+from zerokit.checkpoint.offload_state import (drop_own_pending_update, load_host_state, load_master,
+                                              restore_pipeline)
+from zerokit.checkpoint.save import LATEST, _sampler, persistent_buffers, wait_for_checkpoint
 from zerokit.checkpoint.storage import ShardFile
 from zerokit.core.unit import WeightState
 
@@ -117,7 +118,6 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, load_modul
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
     """Collective. Returns (tag directory, client_state), or (None, None) if there is no `latest`."""
-    refuse_offload(engine, "load")
     wait_for_checkpoint(engine)
     engine.comm.barrier("load_checkpoint (previous saves committed)")
     resolved = resolve_tag(load_dir, tag)
@@ -130,12 +130,14 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, load_modul
     names = set(check_names(layout, engine, load_module_strict))
     common = torch.load(os.path.join(path, COMMON), map_location="cpu", weights_only=False)
     engine.wait_for_weights()
+    drop_own_pending_update(engine)
     saved = SavedTensors(path, layout)
     try:
         with torch.no_grad():
             _load_weights(engine, saved, names)
             if load_optimizer_states and not load_module_only:
                 _load_optimizer(engine, saved, layout, names, common)
+                restore_pipeline(engine, saved, names, common.get("offload"), common["counters"])
     finally:
         saved.close()
     _load_buffers(engine, common["buffers"], load_module_strict)
@@ -150,8 +152,7 @@ def _load_weights(engine: "Engine", saved: SavedTensors, names: set[str]) -> Non
     rank = engine.comm.rank
     for u in engine.units:
         if u.trainable:
-            a, b = u.opt_range
-            saved.fill(u, "values", a, b, u.master.data, names)
+            load_master(saved, u, names)
             u.publish_weights()  # master -> compute weights (-> shard) -> every rank
             u.wait_weights()
             continue
@@ -186,19 +187,22 @@ def _load_optimizer(engine: "Engine", saved: SavedTensors, layout: Layout, names
                              f"optimizer state ({sorted(keysets)}); cannot merge them")
         (keys,) = keysets
         old = opt.state.pop(u.master, {})
+        a, b = u.opt_range
+        first = next(iter(sources))
+        scalars = common["optim_scalars"].get(first, {})
+        if u.host is not None:
+            load_host_state(saved, u, list(keys), names, scalars, common.get("offload"), first)
         if not keys:  # never stepped: no state, as a fresh optimizer
             continue
-        a, b = u.opt_range
         state: dict[str, Any] = {}
-        first = next(iter(sources))
-        for k, v in common["optim_scalars"].get(first, {}).items():
+        for k, v in scalars.items():
             state[k] = v.to(u.master.device) if torch.is_tensor(v) and v.dim() > 0 else v
         for k in keys:
             # Reuse this optimizer's tensor where it has one: fresh memory costs page faults.
             t = old.get(k)
             if not (torch.is_tensor(t) and t.shape == u.master.shape and t.dtype == torch.float32):
                 t = torch.empty_like(u.master, dtype=torch.float32)
-            saved.fill(u, f"optim.{k}", a, b, t, names, zero_rest=True)
+            saved.fill(u, f"optim.{k}", a + u.host_numel, b, t, names, zero_rest=True)
             state[k] = t
         opt.state[u.master] = state
 

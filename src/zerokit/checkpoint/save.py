@@ -38,8 +38,10 @@ import torch
 from zerokit.checkpoint.dataloader import ResumableDistributedSampler
 from zerokit.checkpoint.metadata import (COMMON, META, describe, done_marker, rank_file, saved_range,
                                          shard_file)
-from zerokit.checkpoint.storage import (CheckpointWriteError, fsync_dir, save_shard_file,
-                                        write_bytes_atomic, write_error, write_json)
+from zerokit.checkpoint.offload_state import (IN_USE, cut, master_parts, offload_record, pending_write_back,
+                                              state_keys, state_parts, wait_for_host_updates)
+from zerokit.checkpoint.storage import (CheckpointWriteError, Parts, entry_of, fsync_dir, nbytes_of,
+                                        save_shard_file, write_bytes_atomic, write_error, write_json)
 
 if TYPE_CHECKING:
     from zerokit.engine.engine import Engine
@@ -86,7 +88,6 @@ def wait_for_checkpoint(engine: "Engine") -> None:
 def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_state: dict | None = None,
                     save_latest: bool = True) -> str:
     """Collective. Returns the tag directory (it exists once every rank returns, unless async)."""
-    refuse_offload(engine, "save")
     wait_for_checkpoint(engine)  # the next save waits for the previous one
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
@@ -125,16 +126,6 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
     return final
 
 
-def refuse_offload(engine: "Engine", what: str) -> None:
-    """Offloaded optimizer state lives in engine.offload (host / Twin-Flow), not in the torch
-    optimizer's state: until the checkpoint covers it, refuse rather than save half a state."""
-    if engine.offload is not None:
-        raise NotImplementedError(
-            f"checkpoint {what} with zero_optimization.offload_optimizer is not implemented yet: the "
-            f"host optimizer state (engine.offload) would be missing; train without offload to "
-            f"checkpoint, or use engine.consolidated_fp32_state_dict() for the weights")
-
-
 def _attempt(fn: Callable[[], None], tmp: str) -> BaseException | None:
     try:
         fn()
@@ -161,28 +152,31 @@ def _agree(engine: "Engine", err: BaseException | None, step: str, tmp: str) -> 
 # ---- 2. snapshot ------------------------------------------------------------------------------
 def snapshot(engine: "Engine", client_state: dict | None, copy_tensors: bool) -> Snapshot:
     rank = engine.comm.rank
-    tensors: list[tuple[str, torch.Tensor]] = []
+    tensors: list[tuple[str, torch.Tensor | Parts]] = []
     optim_keys: dict[str, list[str]] = {}
     scalars: dict[str, dict[str, Any]] = {}
+    wait_for_host_updates(engine)
+    in_use = pending_write_back(engine)
     for u in engine.units:
         lo, hi = saved_range(u, rank)
+        weights = u.shard if u.shard is not None else u.flat[lo:hi]
         if u.trainable:
             a = u.opt_range[0]
-            master = u.master.detach()
-            tensors.append((f"{u.name}/master", master[lo - a:hi - a]))
+            tensors.append((f"{u.name}/master", cut(master_parts(u), lo - a, hi - a)))
             state = engine.optimizer.state.get(u.master, {})
-            keys = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape)
-            optim_keys[u.name] = keys
-            tensors += [(f"{u.name}/optim.{k}", state[k][lo - a:hi - a]) for k in keys]
+            keys = optim_keys[u.name] = state_keys(u, state)
+            tensors += [(f"{u.name}/optim.{k}", cut(state_parts(u, state, k), lo - a, hi - a)) for k in keys]
             scalars[u.name] = copy.deepcopy({k: v for k, v in state.items() if k not in keys})
+            if in_use and u.host is not None:  # [Note: delayed update in checkpoints]
+                tensors.append((f"{u.name}/{IN_USE}", weights))
         else:
-            tensors.append((f"{u.name}/weights", u.shard if u.shard is not None else u.flat[lo:hi]))
+            tensors.append((f"{u.name}/weights", weights))
     # Staging copies for an async save; a sync save writes the live tensors (host copies on GPU).
-    tensors = _stage(engine, tensors) if copy_tensors else [(n, t.detach().cpu()) for n, t in tensors]
+    tensors = _stage(engine, tensors) if copy_tensors else [(n, _on_host(t)) for n, t in tensors]
     sampler = _sampler(engine)
     rank_state = {"rng": rng_state(), "dataloader": sampler.state_dict() if sampler is not None else None}
     snap = Snapshot(tensors, _serialize(rank_state))
-    snap.nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    snap.nbytes = sum(nbytes_of(t) for _, t in tensors)
     if rank == 0:
         sched = engine.lr_scheduler
         common = {
@@ -194,6 +188,7 @@ def snapshot(engine: "Engine", client_state: dict | None, copy_tensors: bool) ->
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in engine.optimizer.param_groups],
             "optim_scalars": scalars,
+            "offload": offload_record(engine),
             "buffers": {n: b.detach().cpu().clone() for n, b in persistent_buffers(engine.module)},
         }
         snap.common_bytes = _serialize(common)
@@ -201,21 +196,30 @@ def snapshot(engine: "Engine", client_state: dict | None, copy_tensors: bool) ->
     return snap
 
 
-def _stage(engine: "Engine", tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def _on_host(t: torch.Tensor | Parts) -> torch.Tensor | Parts:
+    return [p.detach().cpu() for p in t] if isinstance(t, list) else t.detach().cpu()
+
+
+def _stage(engine: "Engine", tensors: list[tuple[str, torch.Tensor | Parts]]) -> list[tuple[str, torch.Tensor]]:
     """Copy into the engine's reusable host staging buffer (64-byte aligned slices)."""
     offsets, total = [], 0
     for _, t in tensors:
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // 64) * 64
+        total += -(-nbytes_of(t) // 64) * 64
     buf = _STAGING.get(engine)
     if buf is None or buf.numel() < total:
         pin = torch.cuda.is_available() and engine.comm.device.type == "cuda"
         buf = _STAGING[engine] = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
     staged = []
     for (name, t), off in zip(tensors, offsets):
-        dst = buf[off:off + t.numel() * t.element_size()].view(t.dtype)
-        dst.copy_(t.detach().reshape(-1), non_blocking=True)
-        staged.append((name, dst))
+        parts = t if isinstance(t, list) else [t]
+        dtype, shape = entry_of(t)
+        dst = buf[off:off + nbytes_of(t)].view(dtype)
+        pos = 0
+        for p in parts:
+            dst[pos:pos + p.numel()].copy_(p.detach().reshape(-1), non_blocking=True)
+            pos += p.numel()
+        staged.append((name, dst.view(shape)))
     if engine.comm.device.type == "cuda":
         torch.cuda.current_stream().synchronize()
     return staged

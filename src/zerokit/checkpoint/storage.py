@@ -27,6 +27,22 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 
 
+# A 1-D tensor stored as consecutive parts of one dtype (an offloaded unit's host part, then its
+# device part): written one after the other, so the parts are never concatenated in memory.
+Parts = list
+
+
+def entry_of(t: "torch.Tensor | Parts") -> tuple[torch.dtype, tuple[int, ...]]:
+    """(dtype, shape) of a tensor or of the 1-D tensor its parts make."""
+    if isinstance(t, list):
+        return t[0].dtype, (sum(p.numel() for p in t),)
+    return t.dtype, tuple(t.shape)
+
+
+def nbytes_of(t: "torch.Tensor | Parts") -> int:
+    return sum(p.numel() * p.element_size() for p in (t if isinstance(t, list) else [t]))
+
+
 class CheckpointWriteError(OSError):
     """A save failed (disk full, quota, permissions); the previous checkpoint is untouched."""
 
@@ -101,14 +117,19 @@ class SafetensorsWriter:
         except OSError as e:
             raise write_error(path, e) from e
 
-    def write(self, name: str, t: torch.Tensor) -> None:
+    def write(self, name: str, t: "torch.Tensor | Parts") -> None:
+        """The next tensor: one tensor, or a 1-D tensor given as consecutive parts (`Parts`)."""
+        parts = t if isinstance(t, list) else [t]
+        dtypes = {p.dtype for p in parts}
+        got_shape = tuple(parts[0].shape) if len(parts) == 1 else (sum(p.numel() for p in parts),)
         want, dtype, shape = self.expected[self.written]
-        if (want, dtype, shape) != (name, t.dtype, tuple(t.shape)):
-            raise RuntimeError(f"{self.path}: got {name} {t.dtype} {tuple(t.shape)}, expected "
+        if (want, {dtype}, shape) != (name, dtypes, got_shape):
+            raise RuntimeError(f"{self.path}: got {name} {sorted(map(str, dtypes))} {got_shape}, expected "
                                f"{want} {dtype} {shape}")
         try:
-            if t.numel():
-                _write_all(self.f, t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+            for p in parts:
+                if p.numel():
+                    _write_all(self.f, p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
         except OSError as e:
             raise write_error(self.path, e) from e
         self.written += 1
@@ -129,9 +150,9 @@ class SafetensorsWriter:
         self.f.close()
 
 
-def save_shard_file(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
+def save_shard_file(path: str, tensors: list[tuple[str, "torch.Tensor | Parts"]], metadata: dict[str, str]) -> int:
     """Write 1-D tensors into one safetensors file and fsync it; returns its size in bytes."""
-    w = SafetensorsWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors], metadata)
+    w = SafetensorsWriter(path, [(n, *entry_of(t)) for n, t in tensors], metadata)
     try:
         for n, t in tensors:
             w.write(n, t)

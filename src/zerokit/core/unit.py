@@ -12,6 +12,8 @@ logical shape. Padding elements have zero weight, zero gradient and therefore ze
                 unit is gathered (resized to 0 bytes when released), so parameter views keep their
                 logical shapes and autograd's saved tensors see the weights again when re-gathered.
 - `shard`       stage 3: this rank's compute-dtype shard, the persistent copy of the weights.
+                With offload_param it lives on the host tier (see engine/offload.py
+                place_weight_shards) and gathering first copies it into this rank's slot of `flat`.
 While released, each parameter's `.data` is a NaN placeholder of its logical shape that owns one
 element (zero strides): `p.shape` stays true, reading it cannot crash, computing with it is
 visibly wrong, and writing to it raises. Gathering points the parameters back into `flat`.
@@ -41,6 +43,7 @@ import torch.nn as nn
 from zerokit.core.collectives import Comm, Handle
 from zerokit.policy import PartitionPolicy
 from zerokit.tiers import Ledger
+from zerokit.tiers.transfer import side_stream, uses_streams
 
 ALIGN = 32  # elements per shard boundary: keeps every shard 64-byte aligned for SIMD kernels
 
@@ -118,6 +121,7 @@ class Unit:
         self._launched = False
         self.used = False  # got a gradient since the last step (see Engine._skip_unused)
         self._gather_handle: Handle | None = None
+        self._fetch_stream = None  # CUDA side stream a host shard's gather runs on (offload_param)
         self.index = -1  # position in the engine's unit list; set by the engine
         self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
         self.host = None  # offload: the host part of the optimizer range (HostShard), if any
@@ -327,14 +331,31 @@ class Unit:
             self.flat.untyped_storage().resize_(nbytes)
             self._release_bytes = self.ledger.transient("weights", self.flat)
         lo = self.comm.rank * self.shard_numel
-        self.flat[lo:lo + self.shard_numel].copy_(self.shard)
+        own = self.flat[lo:lo + self.shard_numel]  # this rank's slot: the all-gather's input
         self.state = WeightState.GATHERING
-        self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True)
+        if self.shard.device == own.device or not uses_streams(own):
+            # A device shard; or offload_param on a CPU-only machine, where this is the same
+            # host -> "device" copy between two buffers, synchronous.
+            own.copy_(self.shard)
+            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True)
+            return
+        # offload_param on CUDA: the (pinned) host shard crosses on the side stream and the
+        # all-gather is queued behind it there, so a prefetch overlaps the compute stream;
+        # wait_weights orders the compute stream after both.
+        side = side_stream(own.device)
+        side.wait_stream(torch.cuda.current_stream(own.device))  # `flat` was just allocated there
+        with torch.cuda.stream(side):
+            own.copy_(self.shard, non_blocking=True)
+            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True)
+        self._fetch_stream = side
 
     def wait_weights(self) -> None:
         if self.state is WeightState.GATHERING:
             handle, self._gather_handle = self._gather_handle, None
             handle.wait()
+            if self._fetch_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._fetch_stream)
+                self._fetch_stream = None
             self.state = WeightState.GATHERED
             if self.shard is not None:
                 self._point_params_at(self.flat)
