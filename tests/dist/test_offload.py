@@ -6,7 +6,8 @@
   instance. fp32 within rtol 1e-6; bf16 within test_parity.py's two-part bound.
 - ratio "auto": measures host and device rates, picks a ratio in [0, 1] and says why (the plan).
 - delayed update: equals a one-process reference whose gradients, after the warm-up, are computed
-  on the weights one update behind.
+  on the weights one update behind; with Twin-Flow (ratio 0.4) on weights whose host part is one
+  update behind and whose device part is current.
 - ledger: device bytes per rank drop by the host part's master (16-bit compute only: in fp32 the
   master is the weights) + 8 B of Adam state + 4 B of gradient per element, and those bytes
   appear on the host tier.
@@ -152,17 +153,24 @@ def test_offload_matches_no_offload(world: int) -> None:
 DELAY_STEPS, WARMUP = 6, 2
 
 
-def stale_reference(batches, warmup: int, clip: float = 1.0):
+def stale_reference(batches, warmup: int, clip: float = 1.0, stale_mask: dict | None = None):
     """torch AdamW on fp32 weights where, after `warmup` + 1 fresh steps, each gradient is computed
     on the weights one update behind (ZeRO-Offload's one-step delayed parameter update: step t's
-    update runs while step t+1 computes its gradient on the weights before it)."""
+    update runs while step t+1 computes its gradient on the weights before it).
+
+    stale_mask (name -> bool tensor): only these elements are one update behind (Twin-Flow: the
+    host part is delayed, the device part is updated at once)."""
     master = tiny_gpt()
     compute = tiny_gpt()
     opt = torch.optim.AdamW(master.parameters(), **OPT["AdamW"])
+    names = [n for n, _ in master.named_parameters()]
     history = [[p.detach().clone() for p in master.parameters()]]  # weights after n updates
     losses = []
     for t, (x, y) in enumerate(batches):
         used = history[t - 1] if t >= warmup + 1 else history[t]
+        if stale_mask is not None and t >= warmup + 1:
+            used = [torch.where(stale_mask[n], old, new)
+                    for n, old, new in zip(names, history[t - 1], history[t])]
         with torch.no_grad():
             for pc, w in zip(compute.parameters(), used):
                 pc.copy_(w)
@@ -178,27 +186,54 @@ def stale_reference(batches, warmup: int, clip: float = 1.0):
     return losses, {k: v.detach().clone() for k, v in master.named_parameters()}
 
 
+def _host_masks(engine) -> dict[str, torch.Tensor]:
+    """name -> which elements every rank steps on the host (the first host_numel of each shard)."""
+    masks = {}
+    for u in engine.units:
+        flat = torch.zeros(u.padded_numel, dtype=torch.bool)
+        for r in range(engine.comm.world_size):
+            flat[r * u.shard_numel:r * u.shard_numel + u.host_numel] = True
+        masks.update(u.split(flat))
+    return masks
+
+
 def _delayed_world(rank: int, world: int) -> dict:
+    import zerokit
+
     out = {}
-    for stage in (1, 2, 3):
-        cfg = _config(stage, "fp32", 1, "AdamW", "", 1.0,
-                      delayed={"enabled": True, "warmup_steps": WARMUP})
-        out[stage] = _train(rank, world, cfg, steps=DELAY_STEPS, check_delay_after=WARMUP)
+    for ratio in (1.0, 0.4):
+        for stage in (1, 2, 3):
+            cfg = _config(stage, "fp32", 1, "AdamW", "", ratio,
+                          delayed={"enabled": True, "warmup_steps": WARMUP})
+            out[stage, ratio] = _train(rank, world, cfg, steps=DELAY_STEPS, check_delay_after=WARMUP)
+        engine, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)  # the split, for the reference
+        out["masks", ratio] = _host_masks(engine)
+        engine.destroy()
     return out
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_delayed_update_matches_stale_reference(world: int) -> None:
     results = [_delayed_world(0, 1)] if world == 1 else run_world(_delayed_world, world, timeout=300)
-    ref_losses, ref = stale_reference(global_batches(DELAY_STEPS, MICRO * world), WARMUP)
-    fresh_losses, _ = stale_reference(global_batches(DELAY_STEPS, MICRO * world), DELAY_STEPS)
-    assert ref_losses[WARMUP + 1:] != fresh_losses[WARMUP + 1:]  # the staleness is visible
+    batches = global_batches(DELAY_STEPS, MICRO * world)
+    fresh_losses, _ = stale_reference(batches, DELAY_STEPS)
     for rank_result in results:
-        for stage, (losses, weights, _) in rank_result.items():
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-            for name, w in ref.items():
-                torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"stage {stage} {name}: {m}")
+        for ratio in (1.0, 0.4):
+            masks = rank_result["masks", ratio]
+            if ratio == 1.0:
+                assert all(bool(m.all()) for m in masks.values())
+            else:  # both parts exist, so both staleness rules are exercised
+                share = sum(int(m.sum()) for m in masks.values()) / sum(m.numel() for m in masks.values())
+                assert 0.3 < share < 0.5, share
+            ref_losses, ref = stale_reference(batches, WARMUP, stale_mask=masks)
+            assert ref_losses[WARMUP + 1:] != fresh_losses[WARMUP + 1:]  # the staleness is visible
+            for stage in (1, 2, 3):
+                losses, weights, _ = rank_result[stage, ratio]
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                           atol=1e-6, msg=lambda m: f"stage {stage} ratio {ratio}: {m}")
+                for name, w in ref.items():
+                    torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"stage {stage} ratio {ratio} {name}: {m}")
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -213,10 +248,6 @@ def test_offload_errors_name_the_problem() -> None:
     with pytest.raises(ConfigError, match=r"ratio must be in \[0, 1\]"):
         zerokit.initialize(model=tiny_gpt(), config={**base, "zero_optimization": {
             "stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}})
-    with pytest.raises(ConfigError, match="delayed_update needs ratio 1"):
-        zerokit.initialize(model=tiny_gpt(), config={**base, "zero_optimization": {
-            "stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5,
-                                              "delayed_update": {"enabled": True}}}})
     sgd = {**base, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     with pytest.raises(TypeError, match="torch.optim.sgd.SGD has no host kernel; offload supports"):

@@ -26,17 +26,38 @@ def test_defaults_and_ratios() -> None:
     delayed = _policy({"device": "cpu", "delayed_update": {"enabled": True, "warmup_steps": 3}})
     assert delayed.delayed and delayed.warmup_steps == 3 and "stale" in delayed.describe()
     assert _policy({"device": "cpu", "ratio": "auto"}).auto
+    twin_delayed = _policy({"device": "cpu", "ratio": 0.5, "delayed_update": {"enabled": True}})
+    assert twin_delayed.delayed and "host part's weights one step stale" in twin_delayed.describe()
+
+
+def test_offload_param_is_placement() -> None:
+    zero = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
+    policy = PlacementPolicy.from_config(load_config({**BASE, "zero_optimization": zero}).zero_optimization)
+    assert policy.params_on_host and policy.param_pin_memory and not policy.offloads
+    assert "weight shards on the host" in policy.describe_params()
+    assert not _policy(None, 3).params_on_host
 
 
 @pytest.mark.parametrize("offload, stage, words", [
     ({"device": "cpu"}, 0, ["needs stage 1, 2 or 3"]),
     ({"device": "nvme"}, 2, ["'nvme' is not implemented"]),
     ({"device": "cpu", "ratio": -0.1}, 2, ["ratio must be in [0, 1]", "-0.1"]),
-    ({"device": "cpu", "ratio": 0.5, "delayed_update": {"enabled": True}}, 2, ["needs ratio 1"]),
     ({"device": "cpu", "pin_memroy": True}, 2, ["did you mean 'pin_memory'"]),
 ])
 def test_errors_name_the_key(offload, stage, words) -> None:
     with pytest.raises(ValueError) as e:
         _policy(offload, stage)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("param, stage, words", [
+    ({"device": "cpu"}, 2, ["zero_optimization.offload_param.device 'cpu' needs stage 3", "got stage 2"]),
+    ({"device": "nvme"}, 3, ["offload_param.device 'nvme' is not implemented"]),
+    ({"device": "cpu", "pin_memroy": True}, 3, ["did you mean 'pin_memory'"]),
+])
+def test_offload_param_errors_name_the_key(param, stage, words) -> None:
+    with pytest.raises(ValueError) as e:
+        load_config({**BASE, "zero_optimization": {"stage": stage, "offload_param": param}})
     for w in words:
         assert w in str(e.value), str(e.value)

@@ -53,12 +53,25 @@ def explain(engine: "Engine") -> str:
 
 def _offload_lines(engine: "Engine") -> list[str]:
     placement = getattr(engine, "placement", None)
-    if placement is None or not placement.offloads:
+    if placement is None:
         return []
+    lines = _offload_param_lines(engine, placement) if placement.params_on_host else []
+    if not placement.offloads:
+        return lines
     stepper = engine.offload
     host = sum(s.numel for s in stepper.shards)
     total = sum(u.opt_range[1] - u.opt_range[0] for u in engine.units if u.trainable)
-    return [f"  {placement.describe()}",
-            f"    {host:,} of {total:,} optimizer elements on the host on rank {engine.comm.rank}: "
-            f"{_mib(stepper.device_bytes_saved())} left the device (master + optimizer state + "
-            f"gradients of the offloaded part)"]
+    return lines + [
+        f"  {placement.describe()}",
+        f"    {host:,} of {total:,} optimizer elements on the host on rank {engine.comm.rank}: "
+        f"{_mib(stepper.device_bytes_saved())} left the device (master + optimizer state + "
+        f"gradients of the offloaded part)"]
+
+
+def _offload_param_lines(engine: "Engine", placement) -> list[str]:
+    shards = [u for u in engine.units if u.shard is not None]
+    nbytes = engine.ledger.bytes(tier="host", kind="weights")
+    return [f"  {placement.describe_params()}",
+            f"    {len(shards)} weight shards on the host on rank {engine.comm.rank}: {_mib(nbytes)} "
+            f"left the device (weights are there only while gathered; the fp32 master is where "
+            f"offload_optimizer puts it)"]

@@ -95,7 +95,9 @@ class DelayedUpdateConfig(_Section):
         False, description="zerokit (ZeRO-Offload's one-step delayed parameter update): after "
                            "warmup_steps normal steps, the host update of step t runs while step "
                            "t+1's forward and backward use the weights of step t-1. This CHANGES "
-                           "THE MATH: every gradient is one step stale. Needs ratio 1.")
+                           "THE MATH: gradients are computed on weights one update behind. With "
+                           "Twin-Flow (ratio < 1) only the host part is delayed; the device part "
+                           "is updated at once.")
     warmup_steps: int = Field(10, ge=0, description="Normal (undelayed) steps before delaying.")
 
 
@@ -115,9 +117,20 @@ class OffloadOptimizerConfig(_Section):
                              "allowed: 'cpu', 'none'")
         if self.ratio != "auto" and not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"offload_optimizer.ratio must be in [0, 1] or 'auto' (got {self.ratio!r})")
-        if self.delayed_update.enabled and self.ratio != 1.0:
-            raise ValueError(f"offload_optimizer.delayed_update needs ratio 1 (got ratio "
-                             f"{self.ratio!r}): the device part of a Twin-Flow split is not delayed")
+        return self
+
+
+class OffloadParamConfig(_Section):
+    device: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="Stage 3: where each rank's persistent weight shard lives; gathering "
+                            "copies it host -> device, then all-gathers (prefetched ahead of use).")
+    pin_memory: bool = Field(False, description="Page-locked weight shards (faster copies on CUDA).")
+
+    @model_validator(mode="after")
+    def _valid(self) -> "OffloadParamConfig":
+        if self.device == "nvme":
+            raise ValueError("offload_param.device 'nvme' is not implemented (ZeRO-Infinity); "
+                             "allowed: 'cpu', 'none'")
         return self
 
 
@@ -140,12 +153,17 @@ class ZeroConfig(_Section):
         True, description="zerokit (FSDP's name): release a unit after its forward; False keeps "
                           "it gathered until its backward, trading memory for one all-gather.")
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+    offload_param: OffloadParamConfig = OffloadParamConfig()
 
     @model_validator(mode="after")
     def _offload_needs_sharding(self) -> "ZeroConfig":
         if self.offload_optimizer.device == "cpu" and self.stage == 0:
             raise ValueError("zero_optimization.offload_optimizer.device 'cpu' needs stage 1, 2 or 3 "
                              "(got stage 0): offload moves this rank's optimizer shard to the host")
+        if self.offload_param.device == "cpu" and self.stage != 3:
+            raise ValueError(f"zero_optimization.offload_param.device 'cpu' needs stage 3 (got stage "
+                             f"{self.stage}): only stage 3 partitions the weights into shards that "
+                             f"can live on the host; use offload_optimizer below stage 3")
         return self
 
 

@@ -76,6 +76,10 @@ def initialize(model: nn.Module, optimizer: Any = None,
 
 
 def _offload(units: list[Unit], placement: PlacementPolicy, device: torch.device, dtype: torch.dtype):
+    if placement.params_on_host:
+        from zerokit.engine.offload import place_weight_shards
+
+        place_weight_shards(units, placement)
     if placement.auto:
         import dataclasses
         import logging

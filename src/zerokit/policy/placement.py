@@ -6,6 +6,9 @@ ZeRO-Offload is ratio 1 (all on the host), no offload is ratio 0, Twin-Flow anyt
 first `host_numel(L)` elements of a unit's optimizer range (as DeepSpeed: the first r of the
 weights on the CPU) are stepped by the host kernel, the rest by torch's optimizer on the device,
 at the same time. A stage never appears here: every stage >= 1 has an optimizer shard to place.
+
+`params_on_host` (offload_param) places the other piece a rank owns at stage 3, its compute-dtype
+weight shard: it lives on the host tier and crosses to the device when the unit is gathered.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ class PlacementPolicy:
     delayed: the host step of step t overlaps step t+1's forward and backward (changes the math).
     warmup_steps: normal steps before the delay starts.
     auto: ratio "auto": `ratio` is a placeholder until engine/auto_ratio.py measures and decides.
+    params_on_host: offload_param: each unit's persistent weight shard lives on the host tier.
+    param_pin_memory: the host weight shards are page-locked (only where CUDA exists).
     """
 
     ratio: float = 0.0
@@ -33,15 +38,18 @@ class PlacementPolicy:
     warmup_steps: int = 0
     auto: bool = False
     auto_reason: str = ""  # what "auto" measured and picked, for the plan
+    params_on_host: bool = False
+    param_pin_memory: bool = False
 
     @classmethod
     def from_config(cls, zero_cfg) -> "PlacementPolicy":
-        off = zero_cfg.offload_optimizer
+        off, par = zero_cfg.offload_optimizer, zero_cfg.offload_param
+        params = {"params_on_host": par.device == "cpu", "param_pin_memory": par.pin_memory}
         if off.device != "cpu":
-            return cls()
+            return cls(**params)
         auto = off.ratio == "auto"
         return cls(1.0 if auto else float(off.ratio), off.pin_memory, off.delayed_update.enabled,
-                   off.delayed_update.warmup_steps, auto)
+                   off.delayed_update.warmup_steps, auto, **params)
 
     @property
     def offloads(self) -> bool:
@@ -60,6 +68,11 @@ class PlacementPolicy:
             raise ValueError(f"placement covers master, optimizer_state and grads, not {piece!r}")
         return "host" if host_part else "device"
 
+    def describe_params(self) -> str:
+        return ("offload_param: weight shards on the host, copied host -> device when gathered "
+                "(prefetched ahead of use)" if self.params_on_host else
+                "offload_param: none (weight shards on the device)")
+
     def describe(self) -> str:
         if not self.offloads:
             return "offload: none (master, optimizer state and gradients on the device)"
@@ -70,6 +83,7 @@ class PlacementPolicy:
         if self.auto_reason:
             what += f" (auto: {self.auto_reason})"
         if self.delayed:
+            stale = "gradients" if self.ratio >= 1.0 else "the host part's weights"
             what += (f"; delayed parameter update after {self.warmup_steps} steps "
-                     f"(gradients one step stale)")
+                     f"({stale} one step stale)")
         return "offload: " + what
