@@ -22,8 +22,9 @@ COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno"]
 # name -> (sources, extra compile flags, extra link flags)
 NATIVE_EXTENSIONS = {
     "zerokit.io._aio": (
-        [os.path.join(CSRC, "aio_bindings.cpp"), os.path.join(CSRC, "aio", "engine.cpp"),
-         os.path.join(CSRC, "aio", "crc32c.cpp")],
+        [os.path.join(CSRC, "aio_bindings.cpp")]
+        + [os.path.join(CSRC, "aio", f) for f in
+           ("engine.cpp", "block_io.cpp", "kernel_aio.cpp", "crc32c.cpp")],
         ["-pthread"],
         ["-pthread"],
     ),

@@ -11,11 +11,8 @@ from zerokit.io import aio as aio_mod
 from zerokit.io import AioConfig, AioError, AsyncIO, BufferPool, ChecksumError, aligned_empty
 from zerokit.io import native_available
 
-BACKENDS = [
-    pytest.param("native", marks=pytest.mark.skipif(
-        not native_available(), reason="zerokit.io._aio not built (no C++ compiler at install)")),
-    "python",
-]
+from _aio_backends import BACKENDS, NATIVE_BACKENDS
+
 BS = 16384  # small blocks so a few KiB already span several blocks
 CFG = AioConfig(block_size=BS, queue_depth=4, thread_count=2)
 
@@ -130,22 +127,25 @@ def test_checksum_algorithms_match_references(aio, tmp_path):
         assert h.checksums == [_aio.crc32c(src.data_ptr(), len(data))]
 
 
-@pytest.mark.skipif(not native_available(), reason="zerokit.io._aio not built")
-def test_native_uses_o_direct_where_the_filesystem_allows(tmp_path):
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+def test_native_uses_o_direct_where_the_filesystem_allows(tmp_path, backend):
     probe = str(tmp_path / "probe")
     try:
         os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT))
         expected = True
     except OSError:
         expected = False
-    with AsyncIO(CFG, backend="native") as a:
+    with AsyncIO(CFG, backend=backend) as a:
         h = a.write(str(tmp_path / "f"), _rand(BS))
         h.wait()
         assert h.direct is expected
+        # One aligned block of an O_DIRECT file: the kernel takes it under linux-aio.
+        kernel = 1 if expected and backend == "linux-aio" else 0
+        assert a.block_counts() == {"kernel": kernel, "threads": 1 - kernel}
 
 
-@pytest.mark.skipif(not native_available(), reason="zerokit.io._aio not built")
-def test_o_direct_refused_falls_back_to_buffered_with_one_warning(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+def test_o_direct_refused_falls_back_to_buffered_with_one_warning(tmp_path, monkeypatch, backend):
     real_open = os.open
 
     def no_direct(path, flags, *a):
@@ -155,7 +155,7 @@ def test_o_direct_refused_falls_back_to_buffered_with_one_warning(tmp_path, monk
 
     monkeypatch.setattr(aio_mod.os, "open", no_direct)
     aio_mod._warned.clear()
-    with AsyncIO(CFG, backend="native") as a, warnings.catch_warnings(record=True) as w:
+    with AsyncIO(CFG, backend=backend) as a, warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for i in range(3):
             src = _rand(BS + 9, 64)
@@ -165,6 +165,7 @@ def test_o_direct_refused_falls_back_to_buffered_with_one_warning(tmp_path, monk
             dst = torch.empty_like(src)
             a.read(str(tmp_path / f"f{i}"), dst).wait()
             assert torch.equal(dst, src)
+        assert a.block_counts()["kernel"] == 0  # buffered files never go to kernel AIO
     assert sum("O_DIRECT refused" in str(x.message) for x in w) == 1
 
 

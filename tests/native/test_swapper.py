@@ -13,13 +13,9 @@ import pytest
 import torch
 
 from zerokit.io import AioConfig, AioError, BufferPool, ChecksumError, TensorSwapper
-from zerokit.io import native_available
 
-BACKENDS = [
-    pytest.param("native", marks=pytest.mark.skipif(
-        not native_available(), reason="zerokit.io._aio not built (no C++ compiler at install)")),
-    "python",
-]
+from _aio_backends import BACKENDS
+
 CFG = AioConfig(block_size=16384, queue_depth=4, thread_count=1)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool]
@@ -181,7 +177,7 @@ import errno, json, os, resource, signal, sys, warnings
 import torch
 warnings.simplefilter("ignore")
 from zerokit.io import AioConfig, AioError, TensorSwapper
-backend = sys.argv[1] if len(sys.argv) > 1 else "native"
+backend = sys.argv[1] if len(sys.argv) > 1 else "auto"
 """
 
 
@@ -189,7 +185,7 @@ backend = sys.argv[1] if len(sys.argv) > 1 else "native"
 def test_disk_full_is_a_clean_error_and_others_survive(tmp_path, backend):
     # RLIMIT_FSIZE makes writes past 1 MiB fail with EFBIG, as a full disk fails with ENOSPC,
     # without root or a real full disk; SIGXFSZ is ignored so the process gets the error.
-    code = CHILD_PRELUDE.replace('"native"', repr(backend)) + textwrap.dedent("""
+    code = CHILD_PRELUDE.replace('"auto"', repr(backend)) + textwrap.dedent("""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     s = TensorSwapper(os.environ["ZK_DIR"], config=AioConfig(block_size=65536), checksums=True,
                       backend=backend)

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "aio/crc32c.h"
@@ -17,7 +18,6 @@ PYBIND11_MODULE(_aio, m) {
   m.attr("ALIGN") = zk_aio::kAlign;
   m.attr("ERR_SHORT") = zk_aio::kErrShort;
   m.attr("ERR_CHECKSUM") = zk_aio::kErrChecksum;
-  m.attr("BACKEND") = "psync-threads";
 
   m.def(
       "crc32c",
@@ -31,17 +31,18 @@ PYBIND11_MODULE(_aio, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](int64_t block_size, int queue_depth, int thread_count, bool single_submit,
-                       bool overlap_events) {
+                       bool overlap_events, const std::string& backend) {
              zk_aio::Config c;
              c.block_size = block_size;
              c.queue_depth = queue_depth;
              c.thread_count = thread_count;
              c.single_submit = single_submit;
              c.overlap_events = overlap_events;
+             c.backend = backend;
              return new Engine(c);
            }),
            py::arg("block_size"), py::arg("queue_depth"), py::arg("thread_count"),
-           py::arg("single_submit"), py::arg("overlap_events"))
+           py::arg("single_submit"), py::arg("overlap_events"), py::arg("backend") = "auto")
       .def(
           "submit",
           [](Engine& e, bool write, int fd, bool direct, std::uintptr_t ptr, int64_t nbytes,
@@ -66,5 +67,9 @@ PYBIND11_MODULE(_aio, m) {
           },
           py::arg("request"))
       .def("num_blocks", &Engine::num_blocks, py::arg("nbytes"), py::arg("offset"))
-      .def_property_readonly("threads", &Engine::threads);
+      .def_property_readonly("threads", &Engine::threads)
+      .def_property_readonly("backend", &Engine::backend)
+      .def_property_readonly("fallback_reason", &Engine::fallback_reason)
+      .def_property_readonly("kernel_blocks", &Engine::kernel_blocks)
+      .def_property_readonly("pool_blocks", &Engine::pool_blocks);
 }

@@ -29,6 +29,10 @@ class Engine:
         if block_size <= 0 or block_size % 4096:
             raise ValueError(f"aio block_size must be a positive multiple of 4096, got {block_size}")
         self.block_size = block_size
+        self.backend = BACKEND
+        self.fallback_reason = ""
+        self.kernel_blocks = 0
+        self.pool_blocks = 0
         self.threads = queue_depth * thread_count
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zk-aio")
         self._lock = threading.Lock()
@@ -56,6 +60,7 @@ class Engine:
                                              exp))
             pos, i = stop, i + 1
         with self._lock:
+            self.pool_blocks += len(futures)
             rid = self._next
             self._next += 1
             self._requests[rid] = (futures, fd if fsync and write else None)

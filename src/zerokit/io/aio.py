@@ -2,10 +2,12 @@
 
 `AsyncIO(config).write(path, tensor)` and `.read(path, tensor)` return an `IOHandle` at once; its
 `wait()` returns the bytes moved or raises `AioError` naming the file, offset and errno text. The
-native engine (`zerokit.io._aio`, built from csrc/aio) does O_DIRECT block-parallel I/O; where it
-was not built, a pure-Python thread engine does buffered I/O with the same results (said once).
-Where a filesystem refuses O_DIRECT (some network or FUSE filesystems), files are opened buffered,
-also said once.
+native engine (`zerokit.io._aio`, built from csrc/aio) does O_DIRECT block-parallel I/O, through
+Linux kernel AIO from one thread ("linux-aio") where the kernel grants an AIO context, else on a
+pool of pread/pwrite threads ("psync-threads"); `AsyncIO.backend` says which, and the fallback is
+said once with the kernel's reason. Where the extension was not built, a pure-Python thread engine
+does buffered I/O with the same results (said once). Where a filesystem refuses O_DIRECT (tmpfs,
+some network or FUSE filesystems), files are opened buffered, also said once.
 
 [Note: file residue] O_DIRECT needs the memory address and the file offset aligned. The engine
 stages only the blocks that are not, through per-thread bounce buffers; a tensor whose address
@@ -32,6 +34,8 @@ except ImportError:  # the extension is optional; see setup.py
     _native = None
 
 _warned: set[str] = set()
+
+BACKENDS = ("auto", "native", "linux-aio", "psync-threads", "python")
 
 
 def native_available() -> bool:
@@ -201,25 +205,44 @@ class AsyncIO:
     """Reads and writes whole tensors (any dtype, contiguous, on the CPU) at file offsets."""
 
     def __init__(self, config: AioConfig | None = None, *, backend: str = "auto"):
+        """backend: "auto" (native if built, with linux-aio where the kernel allows it),
+        "native" (the same, but the extension must be built), "linux-aio" or "psync-threads"
+        (that native backend or an error) or "python". `self.backend` names the one in use."""
         self.config = config or AioConfig()
-        if backend not in ("auto", "native", "python"):
-            raise ValueError(f"backend must be 'auto', 'native' or 'python', got {backend!r}")
-        if backend == "native" and _native is None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend not in ("auto", "python") and _native is None:
             raise RuntimeError("zerokit.io._aio is not built; reinstall with a C++ compiler "
                                "(pip install -e . --no-build-isolation) or use backend='python'")
         if backend == "auto" and _native is None:
             warn_once("no-native", "zerokit.io._aio (native async I/O) is not built; using "
                       "buffered Python threads, which are slower and skip O_DIRECT")
         use_native = _native is not None and backend != "python"
-        mod = _native if use_native else _fallback
         c = self.config
-        self._engine = mod.Engine(c.block_size, c.queue_depth, c.thread_count, c.single_submit,
-                                  c.overlap_events)
-        self.backend = mod.BACKEND
+        args = (c.block_size, c.queue_depth, c.thread_count, c.single_submit, c.overlap_events)
+        if use_native:
+            kind = backend if backend in ("linux-aio", "psync-threads") else "auto"
+            try:
+                self._engine = _native.Engine(*args, backend=kind)
+            except RuntimeError as e:  # linux-aio asked for and refused by the kernel
+                raise RuntimeError(f"aio backend 'linux-aio': {e}; use backend='auto' to fall "
+                                   f"back to 'psync-threads'") from None
+            if self._engine.fallback_reason:
+                warn_once("no-kernel-aio", f"{self._engine.fallback_reason}; zerokit.io runs "
+                          f"O_DIRECT blocks on pread/pwrite threads (psync-threads) instead")
+        else:
+            self._engine = _fallback.Engine(*args)
+        # "linux-aio", "psync-threads" or "python-threads": what moves direct, aligned blocks.
+        self.backend: str = self._engine.backend
         self.checksum_algorithm = "crc32c" if use_native else _fallback.CHECKSUM_ALGORITHM
         self._direct_ok = c.use_direct and use_native and hasattr(os, "O_DIRECT")
         self._live: set[IOHandle] = set()
         self._lock = threading.Lock()
+
+    def block_counts(self) -> dict[str, int]:
+        """Blocks submitted so far by path: "kernel" (linux-aio) and "threads" (pread/pwrite on
+        the pool: buffered files, unaligned edges, or every block without linux-aio)."""
+        return {"kernel": self._engine.kernel_blocks, "threads": self._engine.pool_blocks}
 
     def num_blocks(self, nbytes: int, offset: int = 0) -> int:
         """How many checksums a request of nbytes at offset has (one per block)."""

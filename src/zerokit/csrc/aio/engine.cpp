@@ -5,67 +5,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
-#include <cstring>
 #include <stdexcept>
+#include <system_error>
 
-#include "aio/crc32c.h"
+#include "aio/block_io.h"
 
 namespace zk_aio {
-
-struct Engine::Request {
-  bool write = false;
-  int fd = -1;
-  bool direct = false;
-  bool fsync = false;
-  bool want_checksums = false;
-  std::vector<uint32_t> expected;
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t remaining = 0;
-  bool finished = false;
-  Result result;
-};
-
-namespace {
-
-bool aligned(int64_t v) { return (v & (kAlign - 1)) == 0; }
-int64_t align_down(int64_t v) { return v & ~(kAlign - 1); }
-int64_t align_up(int64_t v) { return (v + kAlign - 1) & ~(kAlign - 1); }
-
-// Reads up to n bytes; stops early only at end of file. Returns bytes read or -errno. Under
-// O_DIRECT a short read that ends off-alignment is the end of the file: asking again from there
-// would be refused with EINVAL rather than return 0.
-int64_t pread_full(int fd, char* p, int64_t n, int64_t off, bool direct) {
-  int64_t got = 0;
-  while (got < n) {
-    ssize_t r = ::pread(fd, p + got, static_cast<size_t>(n - got), off + got);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (r == 0) break;
-    got += r;
-    if (direct && !aligned(got)) break;
-  }
-  return got;
-}
-
-// Writes all n bytes or returns -errno. A zero-byte write means no space was granted.
-int64_t pwrite_full(int fd, const char* p, int64_t n, int64_t off) {
-  int64_t put = 0;
-  while (put < n) {
-    ssize_t r = ::pwrite(fd, p + put, static_cast<size_t>(n - put), off + put);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (r == 0) return -ENOSPC;
-    put += r;
-  }
-  return put;
-}
-
-}  // namespace
 
 Engine::Engine(const Config& cfg) : cfg_(cfg) {
   if (cfg_.block_size <= 0 || cfg_.block_size % kAlign != 0)
@@ -73,18 +18,41 @@ Engine::Engine(const Config& cfg) : cfg_(cfg) {
                                 std::to_string(cfg_.block_size));
   if (cfg_.queue_depth < 1 || cfg_.thread_count < 1)
     throw std::invalid_argument("aio queue_depth and thread_count must be >= 1");
-  int n = cfg_.queue_depth * cfg_.thread_count;
-  workers_.reserve(n);
-  for (int i = 0; i < n; ++i) workers_.emplace_back([this] { worker_main(); });
+  const std::string& b = cfg_.backend;
+  if (b != "auto" && b != "linux-aio" && b != "psync-threads")
+    throw std::invalid_argument("aio backend must be 'auto', 'linux-aio' or 'psync-threads', got '" +
+                                b + "'");
+  if (b != "psync-threads") {
+    try {
+      kernel_aio_ = std::make_unique<KernelAio>(cfg_.queue_depth * cfg_.thread_count);
+    } catch (const std::system_error& e) {
+      std::string why = std::string("kernel AIO unavailable (") + e.what() + ")";
+      if (b == "linux-aio") throw std::runtime_error(why);
+      fallback_reason_ = why;
+    }
+  }
 }
 
 Engine::~Engine() {
+  kernel_aio_.reset();  // completes its queued blocks first
   {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
   }
   cv_.notify_all();
   for (auto& t : workers_) t.join();
+}
+
+int Engine::threads() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return static_cast<int>(workers_.size()) + (kernel_aio_ ? 1 : 0);
+}
+
+void Engine::start_pool_locked() {
+  if (!workers_.empty()) return;
+  int n = cfg_.queue_depth * cfg_.thread_count;
+  workers_.reserve(n);
+  for (int i = 0; i < n; ++i) workers_.emplace_back([this] { worker_main(); });
 }
 
 int64_t Engine::num_blocks(int64_t nbytes, int64_t offset) const {
@@ -113,26 +81,35 @@ int64_t Engine::submit(bool write, int fd, bool direct, char* ptr, int64_t nbyte
   }
   if (req->want_checksums) req->result.checksums.assign(nblocks, 0);
   req->remaining = nblocks;
+  if (nblocks == 0) {
+    if (fsync && write && ::fdatasync(fd) != 0) req->result.err = errno;
+    req->finished = true;
+  }
+  std::vector<Block> to_kernel;
   int64_t id;
   {
     std::lock_guard<std::mutex> g(mu_);
     id = next_id_++;
     requests_[id] = req;
-    // Blocks are cut at block_size boundaries of the file, so no two blocks share a sector and
-    // blocks can be written concurrently without read-modify-write races between them.
     int64_t pos = offset, end = offset + nbytes, i = 0;
+    bool pooled = false;
     while (pos < end) {
       int64_t stop = std::min(end, (pos / cfg_.block_size + 1) * cfg_.block_size);
-      queue_.push_back(Block{req, i++, ptr + (pos - offset), stop - pos, pos});
+      Block b{req, i++, ptr + (pos - offset), stop - pos, pos};
+      if (kernel_aio_ && direct && b.direct_ready()) {
+        to_kernel.push_back(std::move(b));
+      } else {
+        queue_.push_back(std::move(b));
+        pooled = true;
+      }
       pos = stop;
     }
+    if (pooled) start_pool_locked();
   }
-  if (nblocks == 0) {
-    std::lock_guard<std::mutex> g(req->mu);
-    if (fsync && write && ::fdatasync(fd) != 0) req->result.err = errno;
-    req->finished = true;
-  }
+  kernel_blocks_ += static_cast<int64_t>(to_kernel.size());
+  pool_blocks_ += nblocks - static_cast<int64_t>(to_kernel.size());
   cv_.notify_all();
+  if (kernel_aio_) kernel_aio_->enqueue(std::move(to_kernel));
   return id;
 }
 
@@ -182,90 +159,12 @@ void Engine::worker_main() {
       queue_.pop_front();
     }
     if (!bounce) {
-      finish_block(*b.req, ENOMEM, b.off, 0, 0);
+      b.req->finish_block(ENOMEM, b.off, 0, 0);
       continue;
     }
-    run_block(b, bounce);
+    run_block_sync(b, bounce);
   }
   std::free(bounce);
-}
-
-void Engine::run_block(const Block& b, char* bounce) {
-  Request& r = *b.req;
-  bool skip;
-  {
-    // A failed request stops spending disk time on its remaining blocks.
-    std::lock_guard<std::mutex> g(r.mu);
-    skip = r.result.err != 0;
-  }
-  if (skip) return finish_block(r, 0, b.off, 0, 0);
-
-  bool direct = r.direct;
-  bool plain = !direct || (aligned(reinterpret_cast<int64_t>(b.ptr)) && aligned(b.off) &&
-                           aligned(b.len));
-  uint32_t crc = 0;
-  if (r.write) {
-    if (r.want_checksums) crc = crc32c(0, b.ptr, static_cast<size_t>(b.len));
-    int64_t rc;
-    if (plain) {
-      rc = pwrite_full(r.fd, b.ptr, b.len, b.off);
-    } else {
-      int64_t a0 = align_down(b.off), a1 = align_up(b.off + b.len), span = a1 - a0;
-      // Partial sectors at the edges keep the bytes already on disk (read-modify-write); past
-      // the end of the file they are zeros.
-      if (a0 != b.off) {
-        int64_t got = pread_full(r.fd, bounce, kAlign, a0, true);
-        if (got < 0) return finish_block(r, static_cast<int>(-got), b.off, 0, 0);
-        std::memset(bounce + got, 0, static_cast<size_t>(kAlign - got));
-      }
-      if (a1 != b.off + b.len && (span > kAlign || a0 == b.off)) {
-        int64_t got = pread_full(r.fd, bounce + span - kAlign, kAlign, a1 - kAlign, true);
-        if (got < 0) return finish_block(r, static_cast<int>(-got), b.off, 0, 0);
-        std::memset(bounce + span - kAlign + got, 0, static_cast<size_t>(kAlign - got));
-      }
-      std::memcpy(bounce + (b.off - a0), b.ptr, static_cast<size_t>(b.len));
-      rc = pwrite_full(r.fd, bounce, span, a0);
-    }
-    if (rc < 0) return finish_block(r, static_cast<int>(-rc), b.off, 0, 0);
-  } else {
-    if (plain) {
-      int64_t got = pread_full(r.fd, b.ptr, b.len, b.off, direct);
-      if (got < 0) return finish_block(r, static_cast<int>(-got), b.off, 0, 0);
-      if (got < b.len) return finish_block(r, kErrShort, b.off, got, 0);
-    } else {
-      int64_t a0 = align_down(b.off), a1 = align_up(b.off + b.len);
-      int64_t got = pread_full(r.fd, bounce, a1 - a0, a0, true);
-      if (got < 0) return finish_block(r, static_cast<int>(-got), b.off, 0, 0);
-      if (got < b.off + b.len - a0)
-        return finish_block(r, kErrShort, b.off, std::max<int64_t>(0, got - (b.off - a0)), 0);
-      std::memcpy(b.ptr, bounce + (b.off - a0), static_cast<size_t>(b.len));
-    }
-    if (r.want_checksums) crc = crc32c(0, b.ptr, static_cast<size_t>(b.len));
-    if (!r.expected.empty() && crc != r.expected[b.index])
-      return finish_block(r, kErrChecksum, b.off, crc, 0);
-  }
-  if (r.want_checksums) r.result.checksums[b.index] = crc;  // distinct slot per block
-  finish_block(r, 0, b.off, 0, b.len);
-}
-
-void Engine::finish_block(Request& r, int err, int64_t off, int64_t got, int64_t bytes) {
-  std::lock_guard<std::mutex> g(r.mu);
-  r.result.bytes += bytes;
-  // Keep the failure with the lowest offset, so the report names the first bad block whatever
-  // order the threads ran in.
-  if (err != 0 && (r.result.err == 0 || off < r.result.err_offset)) {
-    r.result.err = err;
-    r.result.err_offset = off;
-    r.result.err_got = got;
-  }
-  if (--r.remaining == 0) {
-    if (r.fsync && r.write && r.result.err == 0 && ::fdatasync(r.fd) != 0) {
-      r.result.err = errno;
-      r.result.err_offset = 0;
-    }
-    r.finished = true;
-    r.cv.notify_all();
-  }
 }
 
 }  // namespace zk_aio

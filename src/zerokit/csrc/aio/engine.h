@@ -1,34 +1,37 @@
 // The async tensor I/O engine: torch-free, raw pointers and sizes in.
 //
 // A request (one read or write of a large buffer at a file offset) is cut into blocks at
-// multiples of block_size in *file* space, and the blocks run on a pool of I/O threads, so a
-// request returns at once with an id that wait()/done() take. Blocks that meet O_DIRECT's rules
-// (memory, offset and length multiples of the alignment) go straight between the caller's memory
-// and the disk; the others are staged through a per-thread aligned bounce buffer, so an ordinary
-// (64-byte aligned) tensor works and only its unaligned head and tail are copied when the file
-// offset has the same residue modulo 4096 as the memory (the swapper arranges that).
+// multiples of block_size in *file* space, so no two blocks share a sector, and returns at once
+// with an id that wait()/done() take. Two block backends, chosen at construction:
 //
-// Backend: positional pread/pwrite on thread_count * queue_depth threads, so queue_depth blocks
-// per submitting thread are in flight, as with DeepSpeed's libaio contexts; single_submit and
-// overlap_events are accepted for config compatibility and are inherent here (each thread submits
-// one block and picks up the next as soon as its own completes).
+//  - "linux-aio" (kernel AIO, aio/kernel_aio.h): blocks of O_DIRECT files whose memory, offset
+//    and length are 4096-aligned go to the kernel from one thread, queue_depth * thread_count
+//    in flight. The default wherever the kernel grants an AIO context.
+//  - "psync-threads": positional pread/pwrite on queue_depth * thread_count threads. It also
+//    runs, under linux-aio, what the kernel cannot do asynchronously: blocks of buffered files
+//    (tmpfs, filesystems refusing O_DIRECT) and the unaligned head/tail blocks of an ordinary
+//    tensor, which are staged through a per-thread bounce buffer. Its threads start on first use,
+//    so under linux-aio a stream of aligned blocks runs with one I/O thread in the process.
+//
+// single_submit and overlap_events are accepted for DeepSpeed config compatibility: submission
+// is batched and completions overlap submission in both backends.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
-namespace zk_aio {
+#include "aio/kernel_aio.h"
+#include "aio/request.h"
 
-constexpr int64_t kAlign = 4096;
-// Error codes beside positive errno values.
-constexpr int kErrShort = -1;     // the file ended before the requested range (short file)
-constexpr int kErrChecksum = -2;  // a block's CRC-32C did not match the expected one
+namespace zk_aio {
 
 struct Config {
   int64_t block_size = 1 << 20;
@@ -36,18 +39,13 @@ struct Config {
   int thread_count = 1;
   bool single_submit = false;
   bool overlap_events = true;
-};
-
-struct Result {
-  int err = 0;              // 0, errno, kErrShort or kErrChecksum (first failing block)
-  int64_t err_offset = -1;  // file offset of the first failing block
-  int64_t err_got = 0;      // for kErrShort: bytes the block found; kErrChecksum: the crc found
-  int64_t bytes = 0;        // bytes transferred into/out of the caller's memory
-  std::vector<uint32_t> checksums;  // one per block when requested
+  std::string backend = "auto";  // "auto" | "linux-aio" | "psync-threads"
 };
 
 class Engine {
  public:
+  // Throws std::invalid_argument for a bad config or backend name, std::runtime_error when
+  // "linux-aio" was asked for and the kernel refuses it.
   explicit Engine(const Config& cfg);
   ~Engine();
   Engine(const Engine&) = delete;
@@ -63,29 +61,30 @@ class Engine {
   Result wait(int64_t id);  // blocks; the id is forgotten afterwards
   int64_t num_blocks(int64_t nbytes, int64_t offset) const;
   const Config& config() const { return cfg_; }
-  int threads() const { return static_cast<int>(workers_.size()); }
+  // "linux-aio" or "psync-threads": the backend direct, aligned blocks take.
+  const char* backend() const { return kernel_aio_ ? "linux-aio" : "psync-threads"; }
+  // Why "auto" did not get linux-aio (the kernel's refusal), else empty.
+  const std::string& fallback_reason() const { return fallback_reason_; }
+  int threads() const;  // threads running now (I/O pool plus the kernel-AIO thread)
+  // Blocks submitted so far to each backend: which path the bytes really took.
+  int64_t kernel_blocks() const { return kernel_blocks_; }
+  int64_t pool_blocks() const { return pool_blocks_; }
 
  private:
-  struct Request;
-  struct Block {
-    std::shared_ptr<Request> req;
-    int64_t index;
-    char* ptr;
-    int64_t len;
-    int64_t off;
-  };
+  void start_pool_locked();
   void worker_main();
-  void run_block(const Block& b, char* bounce);
-  void finish_block(Request& r, int err, int64_t off, int64_t got, int64_t bytes);
 
   Config cfg_;
-  std::mutex mu_;
+  std::string fallback_reason_;
+  std::unique_ptr<KernelAio> kernel_aio_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Block> queue_;
+  std::deque<Block> queue_;  // blocks for the thread pool
   bool stop_ = false;
   int64_t next_id_ = 1;
   std::unordered_map<int64_t, std::shared_ptr<Request>> requests_;
   std::vector<std::thread> workers_;
+  std::atomic<int64_t> kernel_blocks_{0}, pool_blocks_{0};
 };
 
 }  // namespace zk_aio

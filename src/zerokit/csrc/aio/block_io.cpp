@@ -1,0 +1,135 @@
+#include "aio/block_io.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "aio/crc32c.h"
+
+namespace zk_aio {
+
+bool Request::failed() {
+  std::lock_guard<std::mutex> g(mu);
+  return result.err != 0;
+}
+
+void Request::finish_block(int err, int64_t off, int64_t got, int64_t bytes) {
+  std::lock_guard<std::mutex> g(mu);
+  result.bytes += bytes;
+  // Keep the failure with the lowest offset, so the report names the first bad block whatever
+  // order the blocks completed in.
+  if (err != 0 && (result.err == 0 || off < result.err_offset)) {
+    result.err = err;
+    result.err_offset = off;
+    result.err_got = got;
+  }
+  if (--remaining == 0) {
+    if (fsync && write && result.err == 0 && ::fdatasync(fd) != 0) {
+      result.err = errno;
+      result.err_offset = 0;
+    }
+    finished = true;
+    cv.notify_all();
+  }
+}
+
+// Under O_DIRECT a short read that ends off-alignment is the end of the file: asking again from
+// there would be refused with EINVAL rather than return 0.
+int64_t pread_full(int fd, char* p, int64_t n, int64_t off, bool direct) {
+  int64_t got = 0;
+  while (got < n) {
+    ssize_t r = ::pread(fd, p + got, static_cast<size_t>(n - got), off + got);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    if (r == 0) break;
+    got += r;
+    if (direct && !aligned(got)) break;
+  }
+  return got;
+}
+
+// A zero-byte write means no space was granted.
+int64_t pwrite_full(int fd, const char* p, int64_t n, int64_t off) {
+  int64_t put = 0;
+  while (put < n) {
+    ssize_t r = ::pwrite(fd, p + put, static_cast<size_t>(n - put), off + put);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    if (r == 0) return -ENOSPC;
+    put += r;
+  }
+  return put;
+}
+
+void checksum_before_write(const Block& b) {
+  Request& r = *b.req;
+  // Each block owns its slot; the vector is only read after the request has finished.
+  if (r.want_checksums) r.result.checksums[b.index] = crc32c(0, b.ptr, static_cast<size_t>(b.len));
+}
+
+void finish_read(const Block& b) {
+  Request& r = *b.req;
+  if (r.want_checksums) {
+    uint32_t crc = crc32c(0, b.ptr, static_cast<size_t>(b.len));
+    if (!r.expected.empty() && crc != r.expected[b.index])
+      return r.finish_block(kErrChecksum, b.off, crc, 0);
+    r.result.checksums[b.index] = crc;
+  }
+  r.finish_block(0, b.off, 0, b.len);
+}
+
+namespace {
+
+// Writes a block O_DIRECT cannot take as it is: partial sectors at its edges keep the bytes
+// already on disk (read-modify-write); past the end of the file they are zeros.
+int64_t write_staged(const Block& b, char* bounce) {
+  int fd = b.req->fd;
+  int64_t a0 = align_down(b.off), a1 = align_up(b.off + b.len), span = a1 - a0;
+  if (a0 != b.off) {
+    int64_t got = pread_full(fd, bounce, kAlign, a0, true);
+    if (got < 0) return got;
+    std::memset(bounce + got, 0, static_cast<size_t>(kAlign - got));
+  }
+  if (a1 != b.off + b.len && (span > kAlign || a0 == b.off)) {
+    int64_t got = pread_full(fd, bounce + span - kAlign, kAlign, a1 - kAlign, true);
+    if (got < 0) return got;
+    std::memset(bounce + span - kAlign + got, 0, static_cast<size_t>(kAlign - got));
+  }
+  std::memcpy(bounce + (b.off - a0), b.ptr, static_cast<size_t>(b.len));
+  return pwrite_full(fd, bounce, span, a0);
+}
+
+}  // namespace
+
+void run_block_sync(const Block& b, char* bounce) {
+  Request& r = *b.req;
+  if (r.failed()) return r.finish_block(0, b.off, 0, 0);  // spend no disk time on a lost cause
+  bool staged = r.direct && !b.direct_ready();
+  if (r.write) {
+    checksum_before_write(b);
+    int64_t rc = staged ? write_staged(b, bounce) : pwrite_full(r.fd, b.ptr, b.len, b.off);
+    if (rc < 0) return r.finish_block(static_cast<int>(-rc), b.off, 0, 0);
+    return r.finish_block(0, b.off, 0, b.len);
+  }
+  if (!staged) {
+    int64_t got = pread_full(r.fd, b.ptr, b.len, b.off, r.direct);
+    if (got < 0) return r.finish_block(static_cast<int>(-got), b.off, 0, 0);
+    if (got < b.len) return r.finish_block(kErrShort, b.off, got, 0);
+  } else {
+    int64_t a0 = align_down(b.off), a1 = align_up(b.off + b.len);
+    int64_t got = pread_full(r.fd, bounce, a1 - a0, a0, true);
+    if (got < 0) return r.finish_block(static_cast<int>(-got), b.off, 0, 0);
+    if (got < b.off + b.len - a0)
+      return r.finish_block(kErrShort, b.off, std::max<int64_t>(0, got - (b.off - a0)), 0);
+    std::memcpy(b.ptr, bounce + (b.off - a0), static_cast<size_t>(b.len));
+  }
+  finish_read(b);
+}
+
+}  // namespace zk_aio

@@ -1,0 +1,62 @@
+// A request (one read or write of a caller's buffer at a file offset) and the blocks it is cut
+// into. Shared by the engine and its two block backends (thread pool, kernel AIO), which finish
+// blocks in any order from any thread.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace zk_aio {
+
+constexpr int64_t kAlign = 4096;
+// Error codes beside positive errno values.
+constexpr int kErrShort = -1;     // the file ended before the requested range (short file)
+constexpr int kErrChecksum = -2;  // a block's CRC-32C did not match the expected one
+
+inline bool aligned(int64_t v) { return (v & (kAlign - 1)) == 0; }
+inline int64_t align_down(int64_t v) { return v & ~(kAlign - 1); }
+inline int64_t align_up(int64_t v) { return (v + kAlign - 1) & ~(kAlign - 1); }
+
+struct Result {
+  int err = 0;              // 0, errno, kErrShort or kErrChecksum (first failing block)
+  int64_t err_offset = -1;  // file offset of the first failing block
+  int64_t err_got = 0;      // for kErrShort: bytes the block found; kErrChecksum: the crc found
+  int64_t bytes = 0;        // bytes transferred into/out of the caller's memory
+  std::vector<uint32_t> checksums;  // one per block when requested
+};
+
+struct Request {
+  bool write = false;
+  int fd = -1;
+  bool direct = false;
+  bool fsync = false;
+  bool want_checksums = false;
+  std::vector<uint32_t> expected;
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t remaining = 0;
+  bool finished = false;
+  Result result;
+
+  // Whether a block already failed: the remaining blocks then skip their I/O.
+  bool failed();
+  // Accounts one block (err 0 = success); the last one runs fsync and wakes the waiters.
+  void finish_block(int err, int64_t off, int64_t got, int64_t bytes);
+};
+
+struct Block {
+  std::shared_ptr<Request> req;
+  int64_t index = 0;  // position in the request: the slot of its checksum
+  char* ptr = nullptr;
+  int64_t len = 0;
+  int64_t off = 0;
+
+  // O_DIRECT can move this block straight between the caller's memory and the disk.
+  bool direct_ready() const {
+    return aligned(reinterpret_cast<int64_t>(ptr)) && aligned(off) && aligned(len);
+  }
+};
+
+}  // namespace zk_aio
