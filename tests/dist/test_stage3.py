@@ -41,14 +41,14 @@ def _make(seed: int = 0) -> Tricky:
     return Tricky()
 
 
-def _train(rank: int, world: int, diverge: bool = False) -> dict:
+def _train(rank: int, world: int, diverge: bool = False, stage: int = 3) -> dict:
     import zerokit
 
     model = _make()
     engine, _, _, _ = zerokit.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": MICRO, "comm_timeout_s": 30,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
-        "zero_optimization": STAGE3})
+        "zero_optimization": STAGE3 if stage == 3 else {"stage": stage}})
     losses, weight_bytes, peaks = [], [], []
     for step, batch in enumerate(global_batches(STEPS, MICRO * world)):
         model.skip_middle = step % 2 == 1
@@ -63,7 +63,7 @@ def _train(rank: int, world: int, diverge: bool = False) -> dict:
         losses.append(t.item() / world)
         weight_bytes.append(engine.ledger.bytes(kind="weights"))
         peaks.append(engine.ledger.bytes(kind="weights", peak=True))
-    stats = dict(engine.scheduler.stats)
+    stats = dict(engine.scheduler.stats) if engine.scheduler is not None else {}
     full = engine.consolidated_fp32_state_dict()
     engine.destroy()
     return {"losses": losses, "weights": full, "bytes": weight_bytes, "peak": peaks, "stats": stats,
@@ -107,9 +107,12 @@ def test_tied_reused_and_skipped_modules_match_reference_and_prefetch() -> None:
         assert max(r["peak"]) <= per_rank + 4 * 32 * 2 * 5 + window, (r["peak"], per_rank, window)
 
 
-def test_ranks_taking_different_paths_fail_naming_the_units() -> None:
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ranks_taking_different_paths_fail_naming_the_units(stage: int) -> None:
+    # Stage 3 notices before the first diverging use; stages 0-2 when the backward's reductions
+    # are compared, before the step applies them.
     with pytest.raises(WorldFailed) as info:
-        run_world(_train, 2, True, timeout=120, comm_timeout=30)
+        run_world(_train, 2, True, stage, timeout=120, comm_timeout=30)
     text = str(info.value)
     assert "ranks diverged" in text and "unit 'blocks." in text, text
     assert "rank 0:" in text and "rank 1:" in text, text

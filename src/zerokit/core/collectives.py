@@ -257,6 +257,22 @@ class Comm:
             self.all_reduce_(value, where)
         return value
 
+    def first_disagreement(self, values: list[int], where: str) -> tuple[int, int, int] | None:
+        """Do all ranks hold the same `values`? One small all-reduce of (max, -min) per element.
+        Returns (position, this rank's value, another rank's value) of the first difference."""
+        if self.world_size == 1 or not values:
+            return None
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        both = torch.cat([mine, -mine])
+        self.all_reduce_(both, where, op=dist.ReduceOp.MAX)
+        hi, lo = both[:len(values)].cpu(), -both[len(values):].cpu()
+        differ = (hi != lo).nonzero()
+        if differ.numel() == 0:
+            return None
+        i = int(differ[0])
+        other = int(hi[i]) if int(hi[i]) != values[i] else int(lo[i])
+        return i, values[i], other
+
     def barrier(self, where: str) -> None:
         if self.world_size > 1:
             self._run("barrier", where, lambda: dist.barrier(async_op=True), None, False)

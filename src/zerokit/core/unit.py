@@ -205,8 +205,9 @@ class Unit:
             self.comm.broadcast_(s.param.data, src=0, where=f"{self.name} ({s.fqn})")
 
     # ---- backward -----------------------------------------------------------------------------
-    def on_grad_ready(self, param: nn.Parameter, index: int, reduce_now: bool) -> Handle | None:
-        """Called from the post-accumulate-grad hook; launches the reduction once all arrived."""
+    def on_grad_ready(self, param: nn.Parameter, index: int, reduce_now: bool) -> bool:
+        """Called from the post-accumulate-grad hook; True once all arrived and it is time to
+        reduce (the engine then launches the reduction)."""
         slot = self.slots[index]
         if self.grad_flat is not None:
             view = self.grad_flat[slot.offset:slot.offset + slot.numel]
@@ -216,9 +217,7 @@ class Unit:
                 param.grad = view.view(slot.shape)
         self._ready.add(index)
         self.used = True
-        if reduce_now and len(self._ready) == len(self.slots):
-            return self.launch_reduce()
-        return None
+        return reduce_now and len(self._ready) == len(self.slots)
 
     def launch_reduce(self) -> Handle:
         """Reduce this unit's gradients into `master_grad` (asynchronously)."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.config.schema import ZeroKitConfig
-from zerokit.core.collectives import Comm, Handle
+from zerokit.core.collectives import CollectiveError, Comm, Handle
 from zerokit.core.unit import Unit
 from zerokit.engine.optimizer import state_bytes
 from zerokit.engine.precision import LossScaler
@@ -123,7 +123,7 @@ class Engine(nn.Module):
         if self._reduce_now:
             for unit in self.units:  # units some of whose parameters got no gradient this step
                 if unit.trainable and not unit.launched:
-                    self._track(unit.launch_reduce(), unit)
+                    self._launch_reduce(unit)
             self._drain(0)
         for unit in self.units:
             unit.end_backward()
@@ -134,12 +134,24 @@ class Engine(nn.Module):
 
     def _grad_hook(self, unit: Unit, index: int):
         def hook(param: nn.Parameter) -> None:
-            handle = unit.on_grad_ready(param, index, self._reduce_now)
-            if handle is not None:
-                self._track(handle, unit)
+            if unit.on_grad_ready(param, index, self._reduce_now):
+                self._launch_reduce(unit)
                 if self.scheduler is not None:
                     self.scheduler.after_backward(unit)
         return hook
+
+    def _launch_reduce(self, unit: Unit) -> None:
+        """Ranks whose backward took different code paths would reduce different units here, and
+        equal-sized collectives then pair silently wrong (unequal ones abort gloo). One 2-element
+        all-reduce first makes that an error naming both units, before any bytes move."""
+        differ = self.comm.first_disagreement([unit.index], f"unit '{unit.name}' (rank agreement)")
+        if differ is not None:
+            raise CollectiveError(
+                f"rank {self.comm.rank}: ranks diverged in backward: this rank is about to reduce "
+                f"the gradients of unit '{unit.name}' while another rank reduces unit "
+                f"'{self.units[differ[2]].name}'. Every rank must run the same modules "
+                f"(data-dependent branches must agree across ranks).")
+        self._track(unit.launch_reduce(), unit)
 
     def _track(self, handle: Handle, unit: Unit) -> None:
         nbytes = unit.padded_numel * 4

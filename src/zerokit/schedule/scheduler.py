@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from zerokit.config.schema import ZeroConfig
@@ -127,15 +126,11 @@ class Stage3Scheduler:
 
     def _check_ranks_agree(self, unit: Unit) -> None:
         """See [Note: rank agreement]."""
-        if self.comm.world_size == 1:
-            return
-        t = torch.tensor([unit.index, -unit.index], dtype=torch.int64, device=self.comm.device)
-        self.comm.all_reduce_(t, f"unit '{unit.name}' (rank agreement)", op=dist.ReduceOp.MAX)
-        hi, lo = int(t[0]), -int(t[1])
-        if hi != lo:
+        differ = self.comm.first_disagreement([unit.index], f"unit '{unit.name}' (rank agreement)")
+        if differ is not None:
             names = {u.index: u.name for u in self.units}
             raise CollectiveError(
                 f"rank {self.comm.rank}: ranks diverged at ZeRO-3 iteration use #{self._pos}: this rank "
                 f"is about to use unit '{unit.name}' while another rank uses unit "
-                f"'{names.get(hi if hi != unit.index else lo, '?')}'. Every rank must run the same "
+                f"'{names.get(differ[2], '?')}'. Every rank must run the same "
                 f"modules in the same order (data-dependent branches must agree across ranks).")
