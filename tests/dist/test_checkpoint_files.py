@@ -184,15 +184,3 @@ def test_async_save(tmp_path) -> None:
         assert result["global_step2"] == ({"k": 2}, True, 2)
         assert result["global_step3"] == ({}, True, 3)
     assert (tmp_path / "latest").read_text() == "global_step3"
-
-
-def test_offload_is_refused_not_half_saved(tmp_path) -> None:
-    import zerokit
-
-    cfg = _config(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})
-    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(0), config=cfg)
-    with pytest.raises(NotImplementedError, match="offload_optimizer is not implemented yet"):
-        engine.save_checkpoint(str(tmp_path))
-    with pytest.raises(NotImplementedError, match="offload_optimizer is not implemented yet"):
-        engine.load_checkpoint(str(tmp_path))
-    engine.destroy()

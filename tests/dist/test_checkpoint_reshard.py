@@ -14,16 +14,19 @@ import torch
 
 from harness import run_world
 from reference import global_batches, rank_micro_batch, reference_train, tiny_gpt
+from test_checkpoint_resume import PLACEMENTS
 
 STEPS, SAVE_AT, GLOBAL, LR = 5, 2, 4, 1e-3
 # (saved world, saved stage) -> (loaded world, loaded stage)
 MATRIX = [((2, 1), (4, 2)), ((2, 1), (4, 3)), ((4, 2), (2, 2)), ((2, 2), (1, 0)), ((2, 3), (1, 0))]
 
 
-def _config(world: int, stage: int) -> dict:
+def _config(world: int, stage: int, placement: str = "none") -> dict:
+    offload = PLACEMENTS[placement]
     return {"train_micro_batch_size_per_gpu": GLOBAL // world,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
-            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000}}
+            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
+                                                            **({"offload_optimizer": offload} if offload else {})}}
 
 
 def _train(engine, rank: int, world: int, steps: range) -> list[float]:
@@ -41,21 +44,23 @@ def _train(engine, rank: int, world: int, steps: range) -> list[float]:
     return losses
 
 
-def _phase(rank: int, world: int, root: str, saves: list[int], loads: list[tuple[tuple[int, int], int]]):
-    """Save from the stages in `saves`; load each (source, stage) of `loads` and continue."""
+def _phase(rank: int, world: int, root: str, saves: list, loads: list) -> dict:
+    """Save from each (stage, placement) of `saves`; load each (source, (stage, placement)) of
+    `loads`, where source = (world, stage, placement) of a save, and continue."""
     import zerokit
 
     out = {}
-    for stage in saves:
-        engine, _, _, _ = zerokit.initialize(model=tiny_gpt(0), config=_config(world, stage))
-        out[("saved", world, stage)] = _train(engine, rank, world, range(SAVE_AT))
-        engine.save_checkpoint(os.path.join(root, f"w{world}s{stage}"))
+    for stage, placement in saves:
+        engine, _, _, _ = zerokit.initialize(model=tiny_gpt(0), config=_config(world, stage, placement))
+        out[("saved", world, stage, placement)] = _train(engine, rank, world, range(SAVE_AT))
+        engine.save_checkpoint(os.path.join(root, f"w{world}s{stage}{placement}"))
         engine.destroy()
-    for (src_world, src_stage), stage in loads:
-        engine, _, _, _ = zerokit.initialize(model=tiny_gpt(3), config=_config(world, stage))
-        engine.load_checkpoint(os.path.join(root, f"w{src_world}s{src_stage}"))
+    for (src_world, src_stage, src_placement), (stage, placement) in loads:
+        engine, _, _, _ = zerokit.initialize(model=tiny_gpt(3), config=_config(world, stage, placement))
+        engine.load_checkpoint(os.path.join(root, f"w{src_world}s{src_stage}{src_placement}"))
         losses = _train(engine, rank, world, range(SAVE_AT, STEPS))
-        out[((src_world, src_stage), (world, stage))] = (losses, engine.consolidated_fp32_state_dict())
+        out[((src_world, src_stage, src_placement), (world, stage, placement))] = \
+            (losses, engine.consolidated_fp32_state_dict())
         engine.destroy()
     return out
 
@@ -64,24 +69,29 @@ def _run(world: int, *args):
     return _phase(0, 1, *args) if world == 1 else run_world(_phase, world, *args, timeout=300)[0]
 
 
-def test_reshard_matrix() -> None:
-    results = {}
-    with tempfile.TemporaryDirectory() as root:
-        results.update(_run(2, root, [1, 2, 3], []))
-        results.update(_run(4, root, [2], [((2, 1), 2), ((2, 1), 3)]))
-        results.update(_run(2, root, [], [((4, 2), 2)]))
-        results.update(_run(1, root, [], [((2, 2), 0), ((2, 3), 0)]))
+def check_against_reference(matrix: list, results: dict, atol: float = 1e-6) -> None:
     ref_losses, ref_weights = reference_train(
         tiny_gpt, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1),
         global_batches(STEPS, GLOBAL), clip=1.0)
-    for src, dst in MATRIX:
+    for src, dst in matrix:
         first = results[("saved", *src)]
         rest, weights = results[(src, dst)]
         torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{src} -> {dst} losses: {m}")
         for name, w in ref_weights.items():
-            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=atol,
                                        msg=lambda m: f"{src} -> {dst} {name}: {m}")
+
+
+def test_reshard_matrix() -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as root:
+        results.update(_run(2, root, [(1, "none"), (2, "none"), (3, "none")], []))
+        results.update(_run(4, root, [(2, "none")], [((2, 1, "none"), (2, "none")),
+                                                     ((2, 1, "none"), (3, "none"))]))
+        results.update(_run(2, root, [], [((4, 2, "none"), (2, "none"))]))
+        results.update(_run(1, root, [], [((2, 2, "none"), (0, "none")), ((2, 3, "none"), (0, "none"))]))
+    check_against_reference([((w, s, "none"), (w2, s2, "none")) for (w, s), (w2, s2) in MATRIX], results)
 
 
 def test_names_and_shapes_are_checked(tmp_path) -> None:
