@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 
 from zerokit.checkpoint.load import read_meta, resolve_tag
-from zerokit.checkpoint.metadata import COMMON, Layout, shard_file, values_kind
+from zerokit.checkpoint.metadata import COMMON, MODEL_CONFIG, Layout, shard_file, values_kind
 from zerokit.checkpoint.storage import DTYPE_OF, SafetensorsWriter, ShardFile, write_bytes_atomic
 
 
@@ -117,6 +117,8 @@ def convert(checkpoint_dir: str, out_dir: str, dtype: torch.dtype = torch.float3
         units.close()
         for w in writers.values():
             w.abort()
+    if MODEL_CONFIG in meta["files"]:
+        done.append(_write_model_config(path, out_dir, dtype))
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
                                                 for entries in plan for _, d, s in entries)},
@@ -125,6 +127,19 @@ def convert(checkpoint_dir: str, out_dir: str, dtype: torch.dtype = torch.float3
         write_bytes_atomic(index_path, json.dumps(index, indent=2).encode())
         done.append(index_path)
     return done
+
+
+def _write_model_config(path: str, out_dir: str, dtype: torch.dtype) -> str:
+    """The saved transformers config.json beside the weights, so `from_pretrained(out_dir)` works
+    (as `save_pretrained` writes it: the dtype entry names the weights' dtype)."""
+    with open(os.path.join(path, MODEL_CONFIG)) as f:
+        config = json.load(f)
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = str(dtype).replace("torch.", "")
+    out = os.path.join(out_dir, MODEL_CONFIG)
+    write_bytes_atomic(out, json.dumps(config, indent=2, sort_keys=True).encode())
+    return out
 
 
 def _out_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:

@@ -140,6 +140,7 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, load_modul
                 restore_pipeline(engine, saved, names, common.get("offload"), common["counters"])
     finally:
         saved.close()
+    engine.wait_for_weights()
     _load_buffers(engine, common["buffers"], load_module_strict)
     if not load_module_only:
         _load_training_state(engine, common, path, load_optimizer_states, load_lr_scheduler_states)
@@ -153,8 +154,9 @@ def _load_weights(engine: "Engine", saved: SavedTensors, names: set[str]) -> Non
     for u in engine.units:
         if u.trainable:
             load_master(saved, u, names)
-            u.publish_weights()  # master -> compute weights (-> shard) -> every rank
-            u.wait_weights()
+            # master -> compute weights (-> shard) -> every rank; the gathers run while the next
+            # units and the optimizer state are read, and load_checkpoint waits for them at the end.
+            u.publish_weights()
             continue
         if u.shard is not None:  # stage 3: the shard is the home of a frozen unit's weights
             lo = rank * u.shard_numel

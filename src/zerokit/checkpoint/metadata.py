@@ -12,6 +12,8 @@ A tag directory holds
                               (optimizer state shaped like the master: exp_avg, ...),
                               `{unit}/weights` (compute dtype; frozen units, which have no master)
     rank{r:05d}.pt            rank r's RNG states and data-loader position
+    config.json               rank 0, transformers models only: `model.config`, which `zerokit
+                              convert` copies beside the weights (from_pretrained needs it)
 Rank r's saved range of a unit is always elements [r * shard_numel, (r + 1) * shard_numel) of
 the unit's flat buffer (see [Note: unit layout]), at every stage: where the state is partitioned
 that is what the rank owns; where it is replicated (stage 0, or the weights below stage 3) every
@@ -39,6 +41,7 @@ FORMAT = "zerokit-checkpoint"
 VERSION = 1
 META = "meta.json"
 COMMON = "common.pt"
+MODEL_CONFIG = "config.json"
 
 
 def shard_file(rank: int) -> str:

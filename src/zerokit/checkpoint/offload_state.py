@@ -174,6 +174,7 @@ def restore_pipeline(engine: "Engine", saved, names: set[str], record: dict | No
         if u.host is None:
             continue
         lo = rank * u.shard_numel
+        u.wait_weights()  # the load's own gather of the master must not land over these
         if u.shard is not None:
             saved.fill(u, IN_USE, lo, lo + u.shard_numel, u.shard, names)
         else:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from zerokit.checkpoint.dataloader import ResumableDistributedSampler
-from zerokit.checkpoint.metadata import (COMMON, META, describe, done_marker, rank_file, saved_range,
+from zerokit.checkpoint.metadata import (COMMON, META, MODEL_CONFIG, describe, done_marker, rank_file, saved_range,
                                          shard_file)
 from zerokit.checkpoint.offload_state import (IN_USE, cut, master_parts, offload_record, pending_write_back,
                                               state_keys, state_parts, wait_for_host_updates)
@@ -56,6 +56,7 @@ class Snapshot:
     tensors: list[tuple[str, torch.Tensor]]
     rank_bytes: bytes
     common_bytes: bytes | None = None          # rank 0 only
+    model_config: bytes | None = None          # rank 0 only: a transformers model's config.json
     meta: dict | None = None                    # rank 0 only
     nbytes: int = 0
 
@@ -192,6 +193,7 @@ def snapshot(engine: "Engine", client_state: dict | None, copy_tensors: bool) ->
             "buffers": {n: b.detach().cpu().clone() for n, b in persistent_buffers(engine.module)},
         }
         snap.common_bytes = _serialize(common)
+        snap.model_config = model_config_json(engine.module)
         snap.meta = describe(engine, optim_keys)
     return snap
 
@@ -225,6 +227,14 @@ def _stage(engine: "Engine", tensors: list[tuple[str, torch.Tensor | Parts]]) ->
     return staged
 
 
+def model_config_json(module: torch.nn.Module) -> bytes | None:
+    """A transformers model's config.json (its `config.to_json_string()`), so that `zerokit convert`
+    writes a directory `from_pretrained` loads as it is; None for other models."""
+    config = getattr(module, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    return to_json().encode() if callable(to_json) else None
+
+
 def persistent_buffers(module: torch.nn.Module):
     for mod_name, mod in module.named_modules():
         for name, buf in mod.named_buffers(recurse=False):
@@ -256,6 +266,8 @@ def write_rank(tmp: str, rank: int, snap: Snapshot) -> None:
     files = {shard_file(rank): save_shard_file(os.path.join(tmp, shard_file(rank)), snap.tensors,
                                                {"format": "pt", "rank": str(rank)})}
     blobs = [(rank_file(rank), snap.rank_bytes)] + ([(COMMON, snap.common_bytes)] if rank == 0 else [])
+    if snap.model_config is not None:
+        blobs.append((MODEL_CONFIG, snap.model_config))
     for name, data in blobs:
         path = os.path.join(tmp, name)
         try:
