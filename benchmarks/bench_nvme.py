@@ -1,12 +1,17 @@
-"""NVMe offload throughput: zerokit's async I/O engine vs fio (the raw disk), torch.save/load and
-DeepSpeed's async I/O op, at the same block size and queue depth; plus how much a compute loop on
-the other core slows down while the engine streams.
+"""NVMe offload throughput: zerokit's async I/O engine (both native backends) vs fio (the raw
+disk), torch.save/load and DeepSpeed's async I/O op, all at the same block size and queue depth;
+plus how much a compute loop on the other core slows down while each streams.
 
-    flock /tmp/zk-heavy.lock .venv/bin/python benchmarks/bench_nvme.py [--size-gib 2] [--dir D]
+    flock /tmp/zk-heavy.lock .venv/bin/python benchmarks/bench_nvme.py [--size-gib 2] [--reps 3]
 
-Prints a table and writes benchmarks/results/bench_nvme.json. Reads follow a page-cache drop
-(root) so they come from the disk; where the drop is refused the table says so. Run it alone on
-the machine: it measures the disk.
+Fairness: the rows are interleaved (every row writes in turn, then every row reads in turn, and
+that `--reps` times), so a slow or fast minute of the disk hits all rows alike; each row reports
+its best and its median. Every write is durable before its clock stops (fsync; fio end_fsync=1).
+Reads come from the disk: O_DIRECT bypasses the page cache (zerokit, fio, DeepSpeed), and the
+cache is dropped before every read anyway (root) for torch.load; the header says if it was not.
+The compute rows pair a 1-thread matmul loop alone with the same loop during I/O, interleaved,
+and report the median slowdown; fio's rows are the floor the disk itself imposes.
+Prints tables and writes benchmarks/results/bench_nvme-<time>.json (and -latest.json).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -22,7 +28,8 @@ import warnings
 
 import torch
 
-from zerokit.io import AioConfig, AsyncIO, TensorSwapper, aligned_empty, native_available
+from _common import format_table, machine_info, summarize, write_json
+from zerokit.io import AioConfig, AsyncIO, TensorSwapper, aligned_empty
 
 GiB = 1 << 30
 
@@ -43,118 +50,219 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def fresh_or_overwrite(path: str, count: list[int]) -> None:
-    """Alternates writing a new file and overwriting the last one, as the fio row does: every
-    row reports its best of both, so none is favoured by extent allocation or its absence."""
-    if count[0] % 2 == 0 and os.path.exists(path):
-        os.unlink(path)
-    count[0] += 1
+# ------------------------------------------------------------------------------ throughput rows
+class ZerokitRow:
+    def __init__(self, cfg: AioConfig, path: str, nbytes: int, backend: str, ordinary: bool):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            self.aio = AsyncIO(cfg, backend=backend)
+        # An ordinary torch tensor sits at 64 mod 4096; the file offset takes the same residue,
+        # as the swapper does, so only the edge sectors are staged.
+        self.buf = torch.empty(nbytes, dtype=torch.uint8) if ordinary else aligned_empty(nbytes)
+        self.buf.fill_(7)
+        self.path, self.off = path, self.buf.data_ptr() % 4096
+
+    def write(self) -> float:
+        return timed(lambda: self.aio.write(self.path, self.buf, self.off, fsync=True).wait())
+
+    def read(self) -> float:
+        return timed(lambda: self.aio.read(self.path, self.buf, self.off).wait())
+
+    def close(self) -> None:
+        self.aio.close()
 
 
-def best_of(reps: int, write, read, nbytes: int) -> tuple[float, float]:
-    """Best write and read GB/s over reps; the cache is dropped before every read."""
-    w = r = 0.0
-    for _ in range(2 * reps):
-        w = max(w, nbytes / timed(write) / 1e9)
-        drop_caches()
-        r = max(r, nbytes / timed(read) / 1e9)
-    return w, r
+class FioRow:
+    """fio, libaio, O_DIRECT, one job at the engine's total queue depth. Its own bandwidth
+    figure (bytes / I/O time, end_fsync included for writes) becomes a time for the table."""
+
+    def __init__(self, cfg: AioConfig, path: str, nbytes: int):
+        self.nbytes, self.path = nbytes, path
+        self.cmd = ["fio", "--output-format=json", "--name=zk", f"--filename={path}", "--direct=1",
+                    "--ioengine=libaio", f"--bs={cfg.block_size}",
+                    f"--iodepth={cfg.queue_depth * cfg.thread_count}", f"--size={nbytes}",
+                    "--numjobs=1"]
+
+    def _run(self, rw: str, extra: list[str]) -> float:
+        p = subprocess.run(self.cmd + [f"--rw={rw}"] + extra, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"fio failed: {p.stderr}")
+        job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0][rw]
+        return self.nbytes / job["bw_bytes"]
+
+    def write(self) -> float:
+        return self._run("write", ["--end_fsync=1"])
+
+    def read(self) -> float:
+        return self._run("read", [])
+
+    def close(self) -> None:
+        pass
 
 
-def bench_zerokit(cfg: AioConfig, path: str, nbytes: int, reps: int, ordinary: bool):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        aio = AsyncIO(cfg, backend="native" if native_available() else "python")
-    if ordinary:  # an ordinary torch tensor: the file offset matches its address residue
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-    else:
-        buf = aligned_empty(nbytes)
-    buf.fill_(7)
-    off = buf.data_ptr() % 4096
+class TorchSaveRow:
+    def __init__(self, path: str, nbytes: int):
+        self.t = torch.full((nbytes,), 7, dtype=torch.uint8)
+        self.path = path
 
-    reps_done = [0]
+    def write(self) -> float:
+        def save():
+            with open(self.path, "wb") as f:
+                torch.save(self.t, f)
+                f.flush()
+                os.fsync(f.fileno())  # as durable as the others
+        return timed(save)
 
-    def write():
-        fresh_or_overwrite(path, reps_done)
-        aio.write(path, buf, off, fsync=True).wait()
+    def read(self) -> float:
+        return timed(lambda: torch.load(self.path, mmap=False))
 
-    res = best_of(reps, write, lambda: aio.read(path, buf, off).wait(), nbytes)
-    aio.close()
-    return res
+    def close(self) -> None:
+        pass
 
 
-def bench_fio(cfg: AioConfig, path: str, nbytes: int, reps: int):
-    if shutil.which("fio") is None:
-        return None
-    common = ["fio", "--output-format=json", "--name=zk", f"--filename={path}", "--direct=1",
-              "--ioengine=libaio", f"--bs={cfg.block_size}",
-              f"--iodepth={cfg.queue_depth * cfg.thread_count}", f"--size={nbytes}",
-              "--numjobs=1"]
-    out = {}
-    for rw in ("write", "read"):
-        best = 0.0
-        for rep in range(2 * reps):
-            if rw == "read":
-                drop_caches()
-            elif rep % 2 == 0 and os.path.exists(path):
-                os.unlink(path)  # fio's best of a fresh file and an overwrite
-            extra = ["--end_fsync=1"] if rw == "write" else []
-            p = subprocess.run(common + [f"--rw={rw}"] + extra, capture_output=True, text=True)
-            if p.returncode != 0:
-                raise RuntimeError(f"fio failed: {p.stderr}")
-            job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0][rw]
-            best = max(best, job["bw_bytes"] / 1e9)
-        out[rw] = best
-    return out["write"], out["read"]
-
-
-def bench_torch_save(path: str, nbytes: int, reps: int):
-    t = torch.full((nbytes,), 7, dtype=torch.uint8)
-
-    def write():
-        with open(path, "wb") as f:
-            torch.save(t, f)
-            f.flush()
-            os.fsync(f.fileno())  # as durable as the others
-
-    return best_of(reps, write, lambda: torch.load(path, mmap=False), nbytes)
-
-
-def bench_deepspeed(cfg: AioConfig, path: str, nbytes: int, reps: int):
-    try:
+class DeepSpeedRow:
+    def __init__(self, cfg: AioConfig, path: str, nbytes: int):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from deepspeed.ops.op_builder import AsyncIOBuilder
             ops = AsyncIOBuilder().load(verbose=False)
-    except Exception as e:  # not installed, or libaio-dev missing for its JIT build
-        return f"not installed ({type(e).__name__})"
-    h = ops.aio_handle(cfg.block_size, cfg.queue_depth, cfg.single_submit, cfg.overlap_events,
-                       cfg.thread_count)
-    buf = h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
-    buf.fill_(7)
+        self.h = ops.aio_handle(cfg.block_size, cfg.queue_depth, cfg.single_submit,
+                                cfg.overlap_events, cfg.thread_count)
+        self.buf = self.h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+        self.buf.fill_(7)
+        self.path = path
 
-    reps_done = [0]
+    def write(self) -> float:
+        def write():
+            self.h.async_pwrite(self.buf, self.path)
+            self.h.wait()
+            fd = os.open(self.path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        return timed(write)
 
-    def write():
-        fresh_or_overwrite(path, reps_done)
-        h.async_pwrite(buf, path)
-        h.wait()
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+    def read(self) -> float:
+        def read():
+            self.h.async_pread(self.buf, self.path)
+            self.h.wait()
+        return timed(read)
 
-    def read():
-        h.async_pread(buf, path)
-        h.wait()
-
-    res = best_of(reps, write, read, nbytes)
-    h.free_cpu_locked_tensor(buf)
-    return res
+    def close(self) -> None:
+        self.h.free_cpu_locked_tensor(self.buf)
 
 
-def compute_slowdown(cfg: AioConfig, directory: str, nbytes: int) -> dict:
-    """Times a fixed 1-thread matmul loop alone, then while the engine streams writes and reads
-    of nbytes in a loop on another thread."""
+def make_rows(cfg: AioConfig, d: str, nbytes: int, skip: list[str]) -> dict[str, object]:
+    path = lambda name: os.path.join(d, f"{name}.bin")  # noqa: E731 - one file per row
+    rows: dict[str, object] = {
+        "zerokit linux-aio (aligned buffer)": ZerokitRow(cfg, path("zk_aio"), nbytes,
+                                                         "linux-aio", False),
+        "zerokit linux-aio (ordinary tensor)": ZerokitRow(cfg, path("zk_aio_t"), nbytes,
+                                                          "linux-aio", True),
+        "zerokit psync-threads (aligned)": ZerokitRow(cfg, path("zk_thr"), nbytes,
+                                                      "psync-threads", False),
+    }
+    if "fio" not in skip:
+        rows["fio libaio O_DIRECT (raw disk)"] = (FioRow(cfg, path("fio"), nbytes)
+                                                  if shutil.which("fio") else "not installed")
+    if "torch" not in skip:
+        rows["torch.save / torch.load"] = TorchSaveRow(path("torch"), nbytes)
+    if "deepspeed" not in skip:
+        try:
+            rows["deepspeed AsyncIOBuilder aio"] = DeepSpeedRow(cfg, path("ds"), nbytes)
+        except Exception as e:  # not installed, or libaio-dev missing for its JIT build
+            rows["deepspeed AsyncIOBuilder aio"] = f"not available ({type(e).__name__})"
+    return rows
+
+
+def throughput(rows: dict[str, object], nbytes: int, reps: int) -> dict[str, dict]:
+    """Interleaved: all rows write, then all rows read, reps times. Even rounds write into a
+    fresh file, odd rounds overwrite: every row gets both."""
+    gbps: dict[str, dict[str, list[float]]] = {n: {"write": [], "read": []} for n in rows}
+    live = {n: r for n, r in rows.items() if not isinstance(r, str)}
+    for rep in range(reps):
+        for name, row in live.items():
+            if rep % 2 == 0 and os.path.exists(row.path):
+                os.unlink(row.path)
+            gbps[name]["write"].append(nbytes / row.write() / 1e9)
+        for name, row in live.items():
+            drop_caches()
+            gbps[name]["read"].append(nbytes / row.read() / 1e9)
+    return gbps
+
+
+# ------------------------------------------------------------------------------- compute rows
+def task_cpu_ns() -> dict[str, int]:
+    """CPU time of every thread of this process (schedstat: nanoseconds on a CPU)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0])
+        except OSError:
+            pass
+    return out
+
+
+class StreamLoad:
+    """Streams writes or reads of one file in a background thread until stopped; reports GB/s
+    and the CPU seconds per GB its threads spent (the compute thread excluded)."""
+
+    def __init__(self, kind: str, direction: str, cfg: AioConfig, d: str, nbytes: int):
+        self.kind, self.direction, self.cfg, self.nbytes = kind, direction, cfg, nbytes
+        self.path = os.path.join(d, f"load_{kind}.bin")
+        self.moved = 0
+
+    def start(self) -> None:
+        self.stop_evt = threading.Event()
+        if self.kind == "none":  # the same pair with no I/O at all: the noise of the timing
+            return
+        if self.kind == "fio":
+            rw = self.direction
+            self.proc = subprocess.Popen(
+                ["fio", "--output-format=json", "--name=load", f"--filename={self.path}",
+                 "--direct=1", "--ioengine=libaio", f"--bs={self.cfg.block_size}",
+                 f"--iodepth={self.cfg.queue_depth * self.cfg.thread_count}",
+                 f"--size={self.nbytes}", f"--rw={rw}", "--time_based", "--runtime=600"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            self.aio = AsyncIO(self.cfg, backend=self.kind)
+        self.buf = aligned_empty(self.nbytes).fill_(3)
+        self.aio.write(self.path, self.buf).wait()
+        op = self.aio.write if self.direction == "write" else self.aio.read
+
+        def run():
+            while not self.stop_evt.is_set():
+                op(self.path, self.buf).wait()
+                self.moved += self.nbytes
+
+        self.thread = threading.Thread(target=run)
+        self.t0, self.cpu0 = time.perf_counter(), task_cpu_ns()
+        self.thread.start()
+
+    def stop(self, compute_tid: str) -> tuple[float, float]:
+        if self.kind == "none":
+            return 0.0, 0.0
+        if self.kind == "fio":
+            self.proc.terminate()
+            out = self.proc.communicate()[0]
+            job = json.loads(out[out.index("{"):])["jobs"][0]
+            gbps = job[self.direction]["bw_bytes"] / 1e9
+            secs = job["job_runtime"] / 1e3
+            cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * secs
+            return gbps, cpu_s / max(gbps * secs, 1e-9)
+        cpu1, t1 = task_cpu_ns(), time.perf_counter()
+        self.stop_evt.set()
+        self.thread.join()
+        self.aio.close()
+        spent = sum(v - self.cpu0.get(k, 0) for k, v in cpu1.items() if k != compute_tid)
+        gb = self.moved / 1e9
+        return gb / (t1 - self.t0), spent / 1e9 / max(gb, 1e-9)
+
+
+def compute_slowdown(cfg: AioConfig, d: str, nbytes: int, pairs: int,
+                     kinds: list[str]) -> dict[str, dict]:
     torch.set_num_threads(1)
     a = torch.randn(384, 384)
 
@@ -162,34 +270,28 @@ def compute_slowdown(cfg: AioConfig, directory: str, nbytes: int) -> dict:
         x = a
         for _ in range(1500):
             x = torch.tanh(x @ a)
-        return x
 
     loop()
-    alone = min(timed(loop) for _ in range(3))
-    stop = threading.Event()
-    moved = [0]
-    swapper = TensorSwapper(directory, rank=99, config=cfg)
-    data = torch.full((nbytes // 4,), 1.0)
-
-    def io():
-        while not stop.is_set():
-            swapper.swap_out("x", data, wait=True)  # O_DIRECT: the read below is from disk
-            swapper.swap_in("x", out=data)
-            moved[0] += 2 * nbytes
-
-    th = threading.Thread(target=io)
-    th.start()
-    time.sleep(0.5)  # I/O already at full speed when the timing starts
-    t0 = time.perf_counter()
-    busy = timed(loop)
-    io_gbps = moved[0] / (time.perf_counter() - t0 + 0.5) / 1e9
-    stop.set()
-    th.join()
-    swapper.close()
-    return {"alone_s": alone, "with_io_s": busy, "slowdown_pct": 100 * (busy / alone - 1),
-            "io_GBps_during": io_gbps}
+    tid = str(threading.get_native_id())
+    res = {f"{k} {rw}": {"slowdown_pct": [], "GBps": [], "cpu_s_per_GB": []}
+           for k in kinds for rw in ("write", "read")}
+    for _ in range(pairs):
+        for k in kinds:
+            for rw in ("write", "read"):
+                alone = timed(loop)
+                load = StreamLoad(k, rw, cfg, d, nbytes)
+                load.start()
+                time.sleep(0.5)  # the stream at full speed before the clock starts
+                busy = timed(loop)
+                gbps, cpu = load.stop(tid)
+                r = res[f"{k} {rw}"]
+                r["slowdown_pct"].append(100 * (busy / alone - 1))
+                r["GBps"].append(gbps)
+                r["cpu_s_per_GB"].append(cpu)
+    return res
 
 
+# ------------------------------------------------------------------------------------- report
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-gib", type=float, default=2.0)
@@ -197,7 +299,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=1 << 20)
     ap.add_argument("--queue-depth", type=int, default=8)
     ap.add_argument("--thread-count", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of every row")
+    ap.add_argument("--pairs", type=int, default=3, help="alone/with-I/O pairs per compute row")
     ap.add_argument("--skip", nargs="*", default=[], help="rows to skip: fio torch deepspeed")
     args = ap.parse_args()
     nbytes = int(args.size_gib * GiB)
@@ -205,46 +308,62 @@ def main() -> None:
                     thread_count=args.thread_count)
     d = os.path.abspath(args.dir)
     os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, "bench.bin")
     cache_dropped = drop_caches()
-    rows: dict[str, object] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        auto_backend = AsyncIO(cfg).backend
+    rows = make_rows(cfg, d, nbytes, args.skip)
     try:
-        rows["zerokit aio (aligned buffer)"] = bench_zerokit(cfg, path, nbytes, args.reps, False)
-        rows["zerokit aio (ordinary tensor)"] = bench_zerokit(cfg, path, nbytes, args.reps, True)
-        if "fio" not in args.skip:
-            rows["fio libaio O_DIRECT (raw disk)"] = bench_fio(cfg, path, nbytes, args.reps) \
-                or "not installed"
-        if "torch" not in args.skip:
-            rows["torch.save / torch.load"] = bench_torch_save(path, nbytes, args.reps)
-        if "deepspeed" not in args.skip:
-            rows["deepspeed AsyncIOBuilder aio"] = bench_deepspeed(cfg, path, nbytes, args.reps)
-        slow = compute_slowdown(cfg, d, min(nbytes, GiB // 2))
+        gbps = throughput(rows, nbytes, args.reps)
+        kinds = ["linux-aio", "psync-threads"] + (["fio"] if isinstance(
+            rows.get("fio libaio O_DIRECT (raw disk)"), FioRow) else [])
+        slow = compute_slowdown(cfg, d, min(nbytes, GiB // 2), args.pairs, kinds)
     finally:
+        for r in rows.values():
+            if not isinstance(r, str):
+                r.close()
         shutil.rmtree(d, ignore_errors=True)
 
     print(f"\nNVMe I/O, {nbytes / GiB:.2f} GiB, block {cfg.block_size >> 10} KiB, queue depth "
-          f"{cfg.queue_depth} x {cfg.thread_count} thread(s), backend "
-          f"{'native' if native_available() else 'python'}, page cache dropped before reads: "
-          f"{'yes' if cache_dropped else 'NO (not root): reads may hit the cache'}")
-    print(f"{'method':<34}{'write GB/s':>12}{'read GB/s':>12}")
-    for name, r in rows.items():
-        if isinstance(r, tuple):
-            print(f"{name:<34}{r[0]:>12.2f}{r[1]:>12.2f}")
-        else:
-            print(f"{name:<34}{r:>24}")
-    fio = rows.get("fio libaio O_DIRECT (raw disk)")
-    zk = rows["zerokit aio (aligned buffer)"]
-    if isinstance(fio, tuple):
-        print(f"zerokit / fio: write {100 * zk[0] / fio[0]:.0f}%, read {100 * zk[1] / fio[1]:.0f}%")
-    print(f"compute loop (1 thread): alone {slow['alone_s']:.2f} s, while streaming "
-          f"{slow['io_GBps_during']:.2f} GB/s {slow['with_io_s']:.2f} s: "
-          f"slowdown {slow['slowdown_pct']:+.1f}%")
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_nvme.json"), "w") as f:
-        json.dump({"bytes": nbytes, "config": vars(args), "cache_dropped": cache_dropped,
-                   "rows": {k: (list(v) if isinstance(v, tuple) else v) for k, v in rows.items()},
-                   "compute": slow}, f, indent=2)
+          f"{cfg.queue_depth} x {cfg.thread_count} thread(s) for every row; backend 'auto' "
+          f"here: {auto_backend}; {args.reps} interleaved rounds; page cache dropped before "
+          f"reads: {'yes' if cache_dropped else 'NO (not root): torch.load may hit the cache'}")
+    table = []
+    for name, r in gbps.items():
+        if isinstance(rows[name], str):
+            table.append([name, rows[name], "", "", ""])
+            continue
+        w, rd = r["write"], r["read"]
+        table.append([name, f"{max(w):.2f}", f"{statistics.median(w):.2f}", f"{max(rd):.2f}",
+                      f"{statistics.median(rd):.2f}"])
+    print(format_table(["method", "write best", "write median", "read best", "read median"],
+                       table))
+    fio = gbps.get("fio libaio O_DIRECT (raw disk)")
+    ds = gbps.get("deepspeed AsyncIOBuilder aio")
+    zk = gbps["zerokit linux-aio (aligned buffer)"]
+    for ref_name, ref in (("fio", fio), ("deepspeed", ds)):
+        if ref and ref["write"]:
+            print(f"zerokit linux-aio / {ref_name}: write best {100 * max(zk['write']) / max(ref['write']):.0f}%"
+                  f" median {100 * statistics.median(zk['write']) / statistics.median(ref['write']):.0f}%"
+                  f", read best {100 * max(zk['read']) / max(ref['read']):.0f}%"
+                  f" median {100 * statistics.median(zk['read']) / statistics.median(ref['read']):.0f}%")
+    print(f"\ncompute loop (1 thread, 384x384 matmul+tanh) while streaming "
+          f"{min(nbytes, GiB // 2) / GiB:.2f} GiB repeatedly; {args.pairs} interleaved pairs")
+    print(format_table(
+        ["I/O load", "slowdown median", "slowdown min..max", "GB/s", "I/O CPU s per GB"],
+        [[name, f"{statistics.median(r['slowdown_pct']):+.1f}%",
+          f"{min(r['slowdown_pct']):+.1f}..{max(r['slowdown_pct']):+.1f}%",
+          f"{statistics.median(r['GBps']):.2f}", f"{statistics.median(r['cpu_s_per_GB']):.3f}"]
+         for name, r in slow.items()]))
+    path = write_json("bench_nvme", {
+        "machine": machine_info(), "bytes": nbytes, "config": vars(args),
+        "auto_backend": auto_backend, "cache_dropped": cache_dropped,
+        "throughput_GBps": {k: (rows[k] if isinstance(rows[k], str) else
+                                {rw: {"all": v, **summarize(v)} for rw, v in r.items()})
+                            for k, r in gbps.items()},
+        "compute": {k: {m: {"all": v, **summarize(v)} for m, v in r.items()}
+                    for k, r in slow.items()}})
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

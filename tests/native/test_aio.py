@@ -207,3 +207,25 @@ def test_native_engine_is_built_where_a_compiler_exists():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: the Python engine is the expected path")
     assert native_available(), "a C++ compiler exists but zerokit.io._aio was not built"
+
+
+def test_large_buffers_start_on_huge_pages_and_ask_for_them(tmp_path):
+    from zerokit.io import huge_pages
+
+    big = aligned_empty(huge_pages.MIN_BYTES + 5, residue=64)
+    assert big.data_ptr() % huge_pages.HUGE_PAGE == 64  # the residue, on a 2 MiB boundary
+    small = aligned_empty(huge_pages.MIN_BYTES - 4096, residue=64)
+    assert small.data_ptr() % 4096 == 64 and small.numel() == huge_pages.MIN_BYTES - 4096
+    fresh = torch.empty(3 * huge_pages.HUGE_PAGE, dtype=torch.uint8)
+    advised = huge_pages.advise(fresh.data_ptr(), fresh.numel())
+    if huge_pages.thp_mode() in ("always", "madvise"):
+        assert advised >= huge_pages.HUGE_PAGE and advised % huge_pages.HUGE_PAGE == 0
+    else:
+        assert advised == 0
+    assert huge_pages.advise(fresh.data_ptr(), 4096) == 0  # no whole huge page inside
+    with AsyncIO(CFG) as a:  # a huge-page buffer round-trips like any other
+        big.copy_(torch.randint(0, 256, (big.numel(),), dtype=torch.uint8))
+        a.write(str(tmp_path / "f"), big, 64).wait()
+        back = aligned_empty(big.numel(), residue=64)
+        a.read(str(tmp_path / "f"), back, 64).wait()
+        assert torch.equal(back, big)

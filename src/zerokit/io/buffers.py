@@ -15,6 +15,8 @@ from typing import Iterator
 
 import torch
 
+from zerokit.io import huge_pages
+
 ALIGN = 4096
 
 
@@ -28,13 +30,20 @@ def aligned_empty(nbytes: int, *, alignment: int = ALIGN, residue: int = 0,
     """A 1-D uint8 tensor of nbytes whose address is `residue` modulo `alignment`.
 
     The view keeps its over-allocated base alive, so it can be handed around like any tensor.
+    An unpinned buffer of at least huge_pages.MIN_BYTES starts on a 2 MiB boundary (plus the
+    residue) and asks for transparent huge pages: fewer, larger device requests per block
+    (see huge_pages.py). Pinned memory is left as the GPU runtime allocated it.
     """
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
     if not 0 <= residue < alignment:
         raise ValueError(f"residue must be in [0, {alignment}), got {residue}")
-    base = torch.empty(nbytes + 2 * alignment, dtype=torch.uint8, pin_memory=pin)
-    start = (residue - base.data_ptr()) % alignment
+    huge = not pin and nbytes >= huge_pages.MIN_BYTES and alignment <= huge_pages.HUGE_PAGE
+    step = huge_pages.HUGE_PAGE if huge else alignment
+    base = torch.empty(nbytes + 2 * step, dtype=torch.uint8, pin_memory=pin)
+    start = (residue - base.data_ptr()) % step
+    if huge:  # before anything touches the pages, or they stay 4 KiB
+        huge_pages.advise(base.data_ptr() + start - residue, nbytes + residue)
     return base[start:start + nbytes]
 
 
