@@ -184,3 +184,22 @@ def test_async_save(tmp_path) -> None:
         assert result["global_step2"] == ({"k": 2}, True, 2)
         assert result["global_step3"] == ({}, True, 3)
     assert (tmp_path / "latest").read_text() == "global_step3"
+
+
+def test_markers_appear_only_whole(tmp_path, monkeypatch) -> None:
+    """Rank 0 polls for the other ranks' `.done` markers during an async save: a marker must never
+    exist half written (it did: rank 0 once read an empty marker and failed the commit)."""
+    from zerokit.checkpoint import storage
+
+    marker = tmp_path / "rank00001.done"
+    visible_before_durable = []
+    fsync = os.fsync
+
+    def checking_fsync(fd):
+        visible_before_durable.append(marker.exists())
+        return fsync(fd)
+    monkeypatch.setattr(os, "fsync", checking_fsync)
+    storage.write_json(str(marker), {"files": {"rank00001.safetensors": 123}})
+    assert visible_before_durable == [False]
+    assert json.loads(marker.read_text()) == {"files": {"rank00001.safetensors": 123}}
+    assert os.listdir(tmp_path) == ["rank00001.done"]

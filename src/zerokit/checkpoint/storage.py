@@ -86,11 +86,14 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
 
 
 def write_json(path: str, obj: object) -> None:
-    """Write and fsync (the caller's directory rename makes it visible)."""
-    with open(path, "w") as f:
+    """Write and fsync under a temporary name, then rename: another process that polls for `path`
+    (rank 0 waiting for an async save's markers) never reads it half written."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class SafetensorsWriter:
