@@ -29,7 +29,7 @@ import warnings
 import torch
 
 from _common import format_table, machine_info, summarize, write_json
-from zerokit.io import AioConfig, AsyncIO, TensorSwapper, aligned_empty
+from zerokit.io import AioConfig, AsyncIO, aligned_empty, huge_pages
 
 GiB = 1 << 30
 
@@ -204,37 +204,49 @@ def task_cpu_ns() -> dict[str, int]:
 
 
 class StreamLoad:
-    """Streams writes or reads of one file in a background thread until stopped; reports GB/s
-    and the CPU seconds per GB its threads spent (the compute thread excluded)."""
+    """Streams writes or reads of one file until stopped, started and stopped once per pair;
+    reports GB/s and the CPU seconds per GB its threads spent (the compute thread excluded).
+    kind: an AsyncIO backend (zerokit's huge-page buffer), "linux-aio ordinary" (an ordinary
+    torch tensor on 4 KiB pages), "fio", or "none" (no I/O: the noise of the pairing itself)."""
 
     def __init__(self, kind: str, direction: str, cfg: AioConfig, d: str, nbytes: int):
         self.kind, self.direction, self.cfg, self.nbytes = kind, direction, cfg, nbytes
-        self.path = os.path.join(d, f"load_{kind}.bin")
-        self.moved = 0
-
-    def start(self) -> None:
-        self.stop_evt = threading.Event()
-        if self.kind == "none":  # the same pair with no I/O at all: the noise of the timing
-            return
-        if self.kind == "fio":
-            rw = self.direction
-            self.proc = subprocess.Popen(
-                ["fio", "--output-format=json", "--name=load", f"--filename={self.path}",
-                 "--direct=1", "--ioengine=libaio", f"--bs={self.cfg.block_size}",
-                 f"--iodepth={self.cfg.queue_depth * self.cfg.thread_count}",
-                 f"--size={self.nbytes}", f"--rw={rw}", "--time_based", "--runtime=600"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.path = os.path.join(d, f"load_{kind.replace(' ', '_')}.bin")
+        if kind in ("none", "fio"):
+            if kind == "fio" and not os.path.exists(self.path):
+                with open(self.path, "wb") as f:
+                    f.truncate(nbytes)
+                subprocess.run(self._fio_cmd("write", time_based=False), check=True,
+                               capture_output=True)
             return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            self.aio = AsyncIO(self.cfg, backend=self.kind)
-        self.buf = aligned_empty(self.nbytes).fill_(3)
-        self.aio.write(self.path, self.buf).wait()
+            self.aio = AsyncIO(cfg, backend=kind.split()[0])
+        self.buf = (torch.empty(nbytes, dtype=torch.uint8) if kind.endswith("ordinary")
+                    else aligned_empty(nbytes)).fill_(3)
+        self.off = self.buf.data_ptr() % 4096  # as the swapper places an ordinary tensor
+        self.aio.write(self.path, self.buf, self.off).wait()
+
+    def _fio_cmd(self, rw: str, time_based: bool = True) -> list[str]:
+        return (["fio", "--output-format=json", "--name=load", f"--filename={self.path}",
+                 "--direct=1", "--ioengine=libaio", f"--bs={self.cfg.block_size}",
+                 f"--iodepth={self.cfg.queue_depth * self.cfg.thread_count}",
+                 f"--size={self.nbytes}", f"--rw={rw}"]
+                + (["--time_based", "--runtime=600"] if time_based else []))
+
+    def start(self) -> None:
+        self.moved, self.stop_evt = 0, threading.Event()
+        if self.kind == "none":
+            return
+        if self.kind == "fio":
+            self.proc = subprocess.Popen(self._fio_cmd(self.direction), stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+            return
         op = self.aio.write if self.direction == "write" else self.aio.read
 
         def run():
             while not self.stop_evt.is_set():
-                op(self.path, self.buf).wait()
+                op(self.path, self.buf, self.off).wait()
                 self.moved += self.nbytes
 
         self.thread = threading.Thread(target=run)
@@ -255,39 +267,58 @@ class StreamLoad:
         cpu1, t1 = task_cpu_ns(), time.perf_counter()
         self.stop_evt.set()
         self.thread.join()
-        self.aio.close()
         spent = sum(v - self.cpu0.get(k, 0) for k, v in cpu1.items() if k != compute_tid)
         gb = self.moved / 1e9
         return gb / (t1 - self.t0), spent / 1e9 / max(gb, 1e-9)
 
+    def close(self) -> None:
+        if hasattr(self, "aio"):
+            self.aio.close()
+
 
 def compute_slowdown(cfg: AioConfig, d: str, nbytes: int, pairs: int,
                      kinds: list[str]) -> dict[str, dict]:
+    """Each pair times the loop alone and with one load streaming (in alternating order); pairs
+    are interleaved over the loads so that a noisy minute of the machine spreads over all."""
     torch.set_num_threads(1)
     a = torch.randn(384, 384)
 
     def loop():
         x = a
-        for _ in range(1500):
+        for _ in range(600):
             x = torch.tanh(x @ a)
 
     loop()
     tid = str(threading.get_native_id())
-    res = {f"{k} {rw}": {"slowdown_pct": [], "GBps": [], "cpu_s_per_GB": []}
-           for k in kinds for rw in ("write", "read")}
-    for _ in range(pairs):
-        for k in kinds:
-            for rw in ("write", "read"):
-                alone = timed(loop)
-                load = StreamLoad(k, rw, cfg, d, nbytes)
-                load.start()
-                time.sleep(0.5)  # the stream at full speed before the clock starts
-                busy = timed(loop)
-                gbps, cpu = load.stop(tid)
-                r = res[f"{k} {rw}"]
-                r["slowdown_pct"].append(100 * (busy / alone - 1))
-                r["GBps"].append(gbps)
-                r["cpu_s_per_GB"].append(cpu)
+    loads = {f"{k} {rw}": StreamLoad(k, rw, cfg, d, nbytes)
+             for k in kinds for rw in (("-",) if k == "none" else ("write", "read"))}
+    res = {name: {"slowdown_pct": [], "GBps": [], "cpu_s_per_GB": []} for name in loads}
+
+    def alone() -> float:
+        time.sleep(0.3)  # as idle before the clock as the busy run
+        return timed(loop)
+
+    def busy(name: str) -> float:
+        loads[name].start()
+        time.sleep(0.3)  # the stream at full speed before the clock starts
+        t = timed(loop)
+        gbps, cpu = loads[name].stop(tid)
+        res[name]["GBps"].append(gbps)
+        res[name]["cpu_s_per_GB"].append(cpu)
+        return t
+
+    try:
+        for i in range(pairs):
+            for name in loads:
+                # Alternate which half of the pair runs first, so drift within a pair cancels.
+                if i % 2 == 0:
+                    t_alone, t_busy = alone(), busy(name)
+                else:
+                    t_busy, t_alone = busy(name), alone()
+                res[name]["slowdown_pct"].append(100 * (t_busy / t_alone - 1))
+    finally:
+        for load in loads.values():
+            load.close()
     return res
 
 
@@ -300,7 +331,7 @@ def main() -> None:
     ap.add_argument("--queue-depth", type=int, default=8)
     ap.add_argument("--thread-count", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of every row")
-    ap.add_argument("--pairs", type=int, default=3, help="alone/with-I/O pairs per compute row")
+    ap.add_argument("--pairs", type=int, default=9, help="alone/with-I/O pairs per compute row")
     ap.add_argument("--skip", nargs="*", default=[], help="rows to skip: fio torch deepspeed")
     args = ap.parse_args()
     nbytes = int(args.size_gib * GiB)
@@ -315,8 +346,9 @@ def main() -> None:
     rows = make_rows(cfg, d, nbytes, args.skip)
     try:
         gbps = throughput(rows, nbytes, args.reps)
-        kinds = ["linux-aio", "psync-threads"] + (["fio"] if isinstance(
-            rows.get("fio libaio O_DIRECT (raw disk)"), FioRow) else [])
+        kinds = ["none", "linux-aio", "linux-aio ordinary", "psync-threads"]
+        if isinstance(rows.get("fio libaio O_DIRECT (raw disk)"), FioRow):
+            kinds.append("fio")
         slow = compute_slowdown(cfg, d, min(nbytes, GiB // 2), args.pairs, kinds)
     finally:
         for r in rows.values():
@@ -327,7 +359,9 @@ def main() -> None:
     print(f"\nNVMe I/O, {nbytes / GiB:.2f} GiB, block {cfg.block_size >> 10} KiB, queue depth "
           f"{cfg.queue_depth} x {cfg.thread_count} thread(s) for every row; backend 'auto' "
           f"here: {auto_backend}; {args.reps} interleaved rounds; page cache dropped before "
-          f"reads: {'yes' if cache_dropped else 'NO (not root): torch.load may hit the cache'}")
+          f"reads: {'yes' if cache_dropped else 'NO (not root): torch.load may hit the cache'}; "
+          f"THP {huge_pages.thp_mode()} (zerokit's aligned buffers ask for huge pages, an "
+          f"ordinary tensor has 4 KiB pages)")
     table = []
     for name, r in gbps.items():
         if isinstance(rows[name], str):
@@ -358,6 +392,7 @@ def main() -> None:
     path = write_json("bench_nvme", {
         "machine": machine_info(), "bytes": nbytes, "config": vars(args),
         "auto_backend": auto_backend, "cache_dropped": cache_dropped,
+        "thp": huge_pages.thp_mode(),
         "throughput_GBps": {k: (rows[k] if isinstance(rows[k], str) else
                                 {rw: {"all": v, **summarize(v)} for rw, v in r.items()})
                             for k, r in gbps.items()},
