@@ -229,12 +229,17 @@ class Unit:
                 local = self.grad_acc.add_(self.grad_flat)
             full = local if local.dtype == self.reduce_dtype else local.to(self.reduce_dtype)
         else:
-            full = torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+            # Not zeros: the gradients overwrite nearly all of it, so zero only what they do not
+            # (a parameter without a gradient, the padding); one pass over the bucket, not two.
+            full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
             for s in self.slots:
-                g = s.param.grad
-                if g is not None:
-                    full[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
-                    s.param.grad = None  # stage 2: the full-size gradient lives only in the bucket
+                g, part = s.param.grad, full[s.offset:s.offset + s.numel]
+                if g is None:
+                    part.zero_()
+                    continue
+                part.copy_(g.reshape(-1))
+                s.param.grad = None  # stage 2: the full-size gradient lives only in the bucket
+            full[self.numel:].zero_()
         return self._reduce_into_master(full)
 
     def _reduce_into_master(self, full: torch.Tensor) -> Handle:

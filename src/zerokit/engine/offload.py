@@ -120,9 +120,9 @@ class HostShard:
         self.grad.zero_()
 
     def swap_grads(self) -> None:
-        """Delayed update: the step just launched reads this buffer; backward fills the other."""
+        """Delayed update: the step just launched reads this buffer; backward fills the other
+        (zeroed by the engine's zero_grad at the end of the same step: not twice)."""
         self.current = (self.current + 1) % len(self.grads)
-        self.grad.zero_()
 
     # ---- weights out -------------------------------------------------------------------------
     def wait(self) -> None:
