@@ -2,11 +2,11 @@
 disk), torch.save/load and DeepSpeed's async I/O op, all at the same block size and queue depth;
 plus how much a compute loop on the other core slows down while each streams.
 
-    flock /tmp/zk-heavy.lock .venv/bin/python benchmarks/bench_nvme.py [--size-gib 2] [--reps 3]
+    flock /tmp/zk-heavy.lock .venv/bin/python benchmarks/bench_nvme.py [--size-gib 2] [--reps 6]
 
 Fairness: the rows are interleaved (every row writes in turn, then every row reads in turn, and
-that `--reps` times), so a slow or fast minute of the disk hits all rows alike; each row reports
-its best and its median. Every write is durable before its clock stops (fsync; fio end_fsync=1).
+that `--reps` times, each round starting one row later), so a slow or fast minute of the disk
+hits all rows alike; each row reports its best and its median. Every write is durable before its clock stops (fsync; fio end_fsync=1).
 Reads come from the disk: O_DIRECT bypasses the page cache (zerokit, fio, DeepSpeed), and the
 cache is dropped before every read anyway (root) for torch.load; the header says if it was not.
 The compute rows pair a 1-thread matmul loop alone with the same loop during I/O, interleaved,
@@ -175,11 +175,15 @@ def make_rows(cfg: AioConfig, d: str, nbytes: int, skip: list[str]) -> dict[str,
 
 
 def throughput(rows: dict[str, object], nbytes: int, reps: int) -> dict[str, dict]:
-    """Interleaved: all rows write, then all rows read, reps times. Even rounds write into a
-    fresh file, odd rounds overwrite: every row gets both."""
+    """Interleaved: all rows write, then all rows read, reps times. Round r starts at row r
+    (rotation): the disk under this VM is a host file whose cache favours recently written
+    files, so a fixed order would favour fixed rows. Even rounds write into a fresh file, odd
+    rounds overwrite: every row gets both."""
     gbps: dict[str, dict[str, list[float]]] = {n: {"write": [], "read": []} for n in rows}
-    live = {n: r for n, r in rows.items() if not isinstance(r, str)}
+    names = [n for n, r in rows.items() if not isinstance(r, str)]
     for rep in range(reps):
+        k = rep % len(names)
+        live = {n: rows[n] for n in names[k:] + names[:k]}
         for name, row in live.items():
             if rep % 2 == 0 and os.path.exists(row.path):
                 os.unlink(row.path)
@@ -330,7 +334,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=1 << 20)
     ap.add_argument("--queue-depth", type=int, default=8)
     ap.add_argument("--thread-count", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of every row")
+    ap.add_argument("--reps", type=int, default=6,
+                    help="interleaved rounds of every row (one per row: each leads once)")
     ap.add_argument("--pairs", type=int, default=9, help="alone/with-I/O pairs per compute row")
     ap.add_argument("--skip", nargs="*", default=[], help="rows to skip: fio torch deepspeed")
     args = ap.parse_args()
