@@ -295,3 +295,29 @@ def test_gathered_edit_reaches_host_master_under_delayed_update() -> None:
         moved = (weight.detach().float() - 0.5).abs()
     assert moved.max() < 0.01, moved.max()  # one update (lr 1e-3) away from the edit, not undone
     engine.destroy()
+
+
+def test_exit_with_a_delayed_update_in_flight_is_clean() -> None:
+    """A process that ends while the host worker still runs the delayed update must not abort
+    (interpreter shutdown would unwind the daemon thread out of the native kernel)."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch, zerokit
+        from zerokit.models import GPT, GPTConfig
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=6, n_embd=512, n_head=8, block_size=32, vocab_size=256))
+        engine, *_ = zerokit.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {
+                "device": "cpu", "delayed_update": {"enabled": True, "warmup_steps": 0}}}})
+        t = torch.randint(0, 256, (1, 33))
+        for _ in range(2):
+            engine.backward(engine(t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+            engine.step()
+        print("in flight:", engine.offload._worker is not None)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "terminate called" not in out.stderr, (out.returncode, out.stderr[-2000:])
+    assert "in flight: True" in out.stdout

@@ -13,7 +13,9 @@ Per step (Engine.step calls these, in this order):
 """
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -56,8 +58,23 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostSha
                     f"has no host kernel; offload supports {SUPPORTED}")
 
 
+# Steppers whose worker may still run when the interpreter exits (a delayed update in flight).
+_LIVE: "weakref.WeakSet[HostStepper]" = weakref.WeakSet()
+
+
+@atexit.register
+def _join_in_flight() -> None:
+    """Interpreter shutdown ends daemon threads by unwinding them from inside the native kernel,
+    which aborts the process ('terminate called without an active exception'): join them first."""
+    for stepper in list(_LIVE):
+        worker = stepper._worker
+        if worker is not None:
+            worker.join()
+
+
 class HostStepper:
     def __init__(self, shards: list[HostShard], placement: PlacementPolicy):
+        _LIVE.add(self)
         self.shards = shards
         self.placement = placement
         self.launches = 0
