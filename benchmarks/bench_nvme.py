@@ -6,7 +6,8 @@ plus how much a compute loop on the other core slows down while each streams.
 
 Fairness: the rows are interleaved (every row writes in turn, then every row reads in turn, and
 that `--reps` times, each round starting one row later), so a slow or fast minute of the disk
-hits all rows alike; each row reports its best and its median. Every write is durable before its clock stops (fsync; fio end_fsync=1).
+hits all rows alike; each row reports its best and its median. Every write is durable before its
+clock stops (fsync; fio end_fsync=1).
 Reads come from the disk: O_DIRECT bypasses the page cache (zerokit, fio, DeepSpeed), and the
 cache is dropped before every read anyway (root) for torch.load; the header says if it was not.
 The compute rows pair a 1-thread matmul loop alone with the same loop during I/O, interleaved,
@@ -88,6 +89,8 @@ class FioRow:
         if p.returncode != 0:
             raise RuntimeError(f"fio failed: {p.stderr}")
         job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0][rw]
+        if job["io_bytes"] != self.nbytes:
+            raise RuntimeError(f"fio {rw} moved {job['io_bytes']} bytes of {self.nbytes}")
         return self.nbytes / job["bw_bytes"]
 
     def write(self) -> float:

@@ -35,36 +35,42 @@ void Request::finish_block(int err, int64_t off, int64_t got, int64_t bytes) {
   }
 }
 
-// Under O_DIRECT a short read that ends off-alignment is the end of the file: asking again from
-// there would be refused with EINVAL rather than return 0.
-int64_t pread_full(int fd, char* p, int64_t n, int64_t off, bool direct) {
-  int64_t got = 0;
-  while (got < n) {
-    ssize_t r = ::pread(fd, p + got, static_cast<size_t>(n - got), off + got);
+namespace {
+
+// Calls io(done) until n bytes have moved, retrying EINTR; stops early where io returns 0, or,
+// with stop_unaligned, once the count is off-alignment. Returns the bytes moved or -errno.
+template <class Io>
+int64_t move_all(int64_t n, bool stop_unaligned, Io io) {
+  int64_t done = 0;
+  while (done < n) {
+    ssize_t r = io(done);
     if (r < 0) {
       if (errno == EINTR) continue;
       return -errno;
     }
     if (r == 0) break;
-    got += r;
-    if (direct && !aligned(got)) break;
+    done += r;
+    if (stop_unaligned && !aligned(done)) break;
   }
-  return got;
+  return done;
+}
+
+}  // namespace
+
+// Under O_DIRECT a short read that ends off-alignment is the end of the file: asking again from
+// there would be refused with EINVAL rather than return 0.
+int64_t pread_full(int fd, char* p, int64_t n, int64_t off, bool direct) {
+  return move_all(n, direct, [&](int64_t d) {
+    return ::pread(fd, p + d, static_cast<size_t>(n - d), off + d);
+  });
 }
 
 // A zero-byte write means no space was granted.
 int64_t pwrite_full(int fd, const char* p, int64_t n, int64_t off) {
-  int64_t put = 0;
-  while (put < n) {
-    ssize_t r = ::pwrite(fd, p + put, static_cast<size_t>(n - put), off + put);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (r == 0) return -ENOSPC;
-    put += r;
-  }
-  return put;
+  int64_t put = move_all(n, false, [&](int64_t d) {
+    return ::pwrite(fd, p + d, static_cast<size_t>(n - d), off + d);
+  });
+  return (put >= 0 && put < n) ? -ENOSPC : put;
 }
 
 void checksum_before_write(const Block& b) {
