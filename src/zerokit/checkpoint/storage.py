@@ -96,27 +96,33 @@ def write_json(path: str, obj: object) -> None:
     os.replace(tmp, path)
 
 
+def safetensors_prefix(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                       metadata: dict[str, str]) -> tuple[bytes, int]:
+    """(header length + JSON header, bytes of data after it) of a safetensors file."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape in entries:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
 class SafetensorsWriter:
     """One safetensors file whose tensors arrive one at a time, in header order (streaming)."""
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str]):
-        header: dict[str, object] = {"__metadata__": metadata}
-        offset = 0
-        for name, dtype, shape in entries:
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+        prefix, data_bytes = safetensors_prefix(entries, metadata)
         self.path = path
         self.expected = [(n, d, tuple(s)) for n, d, s in entries]
         self.written = 0
-        self.size = 8 + len(raw) + offset
+        self.size = len(prefix) + data_bytes
         try:
             self.f: BinaryIO = open(path, "wb", buffering=0)
-            _write_all(self.f, struct.pack("<Q", len(raw)) + raw)
+            _write_all(self.f, prefix)
         except OSError as e:
             raise write_error(path, e) from e
 
@@ -154,15 +160,85 @@ class SafetensorsWriter:
 
 
 def save_shard_file(path: str, tensors: list[tuple[str, "torch.Tensor | Parts"]], metadata: dict[str, str]) -> int:
-    """Write 1-D tensors into one safetensors file and fsync it; returns its size in bytes."""
-    w = SafetensorsWriter(path, [(n, *entry_of(t)) for n, t in tensors], metadata)
+    """Write 1-D tensors into one safetensors file and fsync it; returns its size in bytes.
+
+    Every tensor is at hand, so all of them are submitted at once to zerokit.io's block-parallel
+    O_DIRECT writes (buffered where the file system refuses O_DIRECT or the extension is not
+    built). Bypassing the page cache is the point: on the benchmark VM buffered writes stall in
+    dirty-page throttling at 0.3-0.6 GB/s per file, direct ones reach 0.9-1.6 GB/s (dd)."""
+    from zerokit.io.aio import AsyncIO
+
+    prefix, data_bytes = safetensors_prefix([(n, *entry_of(t)) for n, t in tensors], metadata)
+    pieces = [(0, torch.frombuffer(bytearray(prefix), dtype=torch.uint8))]
+    offset = len(prefix)
+    for _, t in tensors:
+        for p in (t if isinstance(t, list) else [t]):
+            if p.numel():
+                pieces.append((offset, p.detach().contiguous().view(-1).view(torch.uint8)))
+            offset += p.numel() * p.element_size()
+    size = len(prefix) + data_bytes
     try:
-        for n, t in tensors:
-            w.write(n, t)
-    except BaseException:
-        w.abort()
-        raise
-    return w.close()
+        # A fresh file at its final size before any write: AsyncIO cuts a write's sector rounding
+        # back to its end only when the write extended the file, which with several writes in
+        # flight would cut off the ones after it. Reserving the extent also makes a full disk one
+        # early ENOSPC.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _reserve(fd, size)
+        finally:
+            os.close(fd)
+        with AsyncIO() as aio:
+            handles = [aio.write(path, t, at) for at, t in _disjoint_sectors(pieces, size)]
+            for h in handles:
+                h.wait()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise write_error(path, e) from e
+    return size
+
+
+_SECTOR = 4096
+
+
+def _disjoint_sectors(pieces: list[tuple[int, torch.Tensor]], size: int) -> list[tuple[int, torch.Tensor]]:
+    """The same bytes as `pieces` (file offset, uint8 tensor; back to back from 0 to `size`) as
+    writes that share no 4 KiB sector. An O_DIRECT write of a partial sector reads the sector,
+    patches its part and writes it back; two such writes of one sector in flight at once lose one
+    part (measured: a shard file's header came back as zeros). So each piece writes the whole
+    sectors inside it, and every sector where pieces meet is assembled here and written once."""
+    writes: list[tuple[int, torch.Tensor]] = []
+    shared: dict[int, bytearray] = {}
+    for start, data in pieces:
+        end = start + data.numel()
+        a, b = -(-start // _SECTOR) * _SECTOR, end // _SECTOR * _SECTOR
+        if a < b:
+            writes.append((a, data[a - start:b - start]))
+            edges = [(start, a), (b, end)]
+        else:
+            edges = [(start, end)]
+        for lo, hi in edges:
+            pos = lo
+            while pos < hi:
+                sector = pos // _SECTOR * _SECTOR
+                stop = min(hi, sector + _SECTOR)
+                buf = shared.setdefault(sector, bytearray(min(_SECTOR, size - sector)))
+                buf[pos - sector:stop - sector] = data[pos - start:stop - start].numpy().tobytes()
+                pos = stop
+    writes += [(sector, torch.frombuffer(buf, dtype=torch.uint8)) for sector, buf in shared.items()]
+    return writes
+
+
+def _reserve(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # file systems without fallocate
+            raise
+        os.ftruncate(fd, size)
 
 
 def _write_all(f: BinaryIO, data) -> None:
