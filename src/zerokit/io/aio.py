@@ -61,11 +61,14 @@ class AioConfig:
     block_size: int = 1 << 20
     """Bytes per I/O request; a multiple of 4096."""
     queue_depth: int = 8
-    """Requests in flight per submitting thread."""
+    """Blocks in flight per submitting thread (DeepSpeed's meaning); the engine keeps
+    queue_depth * thread_count in flight."""
     thread_count: int = 1
-    """Submitting threads; the engine runs thread_count * queue_depth I/O threads."""
+    """Submitting threads in DeepSpeed; here a multiplier of the depth: linux-aio keeps
+    queue_depth * thread_count blocks on one kernel context, psync-threads runs that many
+    threads."""
     single_submit: bool = False
-    """Accepted for DeepSpeed compatibility; each I/O thread always submits one block at a time."""
+    """Accepted for DeepSpeed compatibility; linux-aio submits whatever is ready in one call."""
     overlap_events: bool = True
     """Accepted for DeepSpeed compatibility; completions are always overlapped with submission."""
     use_direct: bool = True
