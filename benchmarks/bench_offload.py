@@ -46,13 +46,14 @@ ROWS = {
     "zk-z3": ("zerokit", 3, "zerokit stage 3, no offload"),
     "zk-z3-off": ("zerokit", 3, "zerokit stage 3 + offload_optimizer cpu"),
     "zk-z3-dpu": ("zerokit", 3, "zerokit stage 3 + offload + delayed update"),
+    "zk-z3-offp": ("zerokit", 3, "zerokit stage 3 + offload_optimizer + offload_param cpu"),
     "ds-z3-off": ("deepspeed", 3, "DeepSpeed ZeRO-3 + offload_optimizer cpu"),
 }
 DEFAULT_ROWS = list(ROWS)
 
 
 def _offload_of(name: str) -> dict | None:
-    if name.endswith("-off"):
+    if name.endswith(("-off", "-offp")):
         return {"device": "cpu"}
     if name.endswith("-dpu"):
         return {"device": "cpu", "delayed_update": {"enabled": True, "warmup_steps": 1}}
@@ -66,6 +67,8 @@ def zerokit_config(args, stage):
     off = _offload_of(args.worker)
     if off is not None:
         cfg["zero_optimization"]["offload_optimizer"] = off
+    if args.worker.endswith("-offp"):  # the weight shards too (stage 3)
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     return cfg
 
 
@@ -83,7 +86,7 @@ S.ROWS, S.zerokit_config, S._ds_config, S.__file__ = ROWS, zerokit_config, ds_co
 
 def _peer(name: str) -> str | None:
     family, stage, _ = ROWS[name]
-    return f"ds-z{stage}-off" if family == "zerokit" and name.endswith(("-off", "-dpu")) else None
+    return f"ds-z{stage}-off" if family == "zerokit" and name.endswith(("-off", "-dpu", "-offp")) else None
 
 
 def report(results: dict) -> str:
@@ -114,7 +117,7 @@ def report(results: dict) -> str:
 
 
 # ---- --hiding: how much of the host update the delayed update hides (world 1, two cores) ----------
-HIDING = {"layers": 6, "width": 512, "heads": 8, "seq": 32, "micro_batch": 1, "rounds": 8,
+HIDING = {"layers": 6, "width": 512, "heads": 8, "seq": 32, "micro_batch": 1, "rounds": 16,
           "steps_per_round": 10, "warmup": 3}
 
 
