@@ -1,8 +1,8 @@
 """Exact resume: save after step k, load into a fresh engine, train on == never stopping, bit for bit.
 
 Stages 0-3 x fp32/bf16 x world size 1 and 2, saved after an even and an odd step; with
-offload_optimizer too (stages 1-3: ZeRO-Offload, Twin-Flow ratio 0.4, and the delayed update,
-saved once in its warm-up and once with an update pending). The inputs
+offload_optimizer too (stages 1-3: ZeRO-Offload, Twin-Flow ratio 0.4, and the delayed update at
+ratio 1 and 0.4, saved once in its warm-up and once with an update pending). The inputs
 depend on everything a resume must restore: the engine's own data loader (its epoch and position;
 an epoch is 3 batches, so the runs cross epoch boundaries), and per-rank torch / numpy / python
 random numbers added to the tokens. An lr warm-up makes the scheduler state matter. The resumed
@@ -28,9 +28,11 @@ CASES = [(stage, dtype, "none") for stage in (0, 1, 2, 3) for dtype in ("fp32", 
 PLACEMENTS = {"none": None, "offload": {"device": "cpu", "ratio": 1.0},
               "twin-flow": {"device": "cpu", "ratio": 0.4},
               "delayed": {"device": "cpu", "ratio": 1.0,
-                          "delayed_update": {"enabled": True, "warmup_steps": 2}}}
+                          "delayed_update": {"enabled": True, "warmup_steps": 2}},
+              "delayed-twin-flow": {"device": "cpu", "ratio": 0.4,
+                                    "delayed_update": {"enabled": True, "warmup_steps": 2}}}
 OFFLOAD_CASES = [(stage, dtype, placement) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")
-                 for placement in ("offload", "twin-flow", "delayed")]
+                 for placement in ("offload", "twin-flow", "delayed", "delayed-twin-flow")]
 
 
 def _config(stage: int, dtype: str, placement: str = "none") -> dict:
@@ -95,7 +97,7 @@ def _resume_cases(rank: int, world: int, root: str, cases: list) -> dict:
         def save(step: int) -> None:
             if step in SAVE_AT:
                 engine.save_checkpoint(ckpt, client_state={"step": step, "note": [stage, dtype]})
-                if placement == "delayed":  # the update in flight when saved, or none in warm-up
+                if placement.startswith("delayed"):  # the update in flight when saved, or none in warm-up
                     assert (engine.offload._worker is not None) == (step > 2), step
         full = _train(engine, loader, STEPS, save)
         final = engine.consolidated_fp32_state_dict()
