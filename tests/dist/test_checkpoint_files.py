@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -159,6 +160,12 @@ def _async(rank: int, world: int, root: str) -> dict:
     import zerokit
     from zerokit.checkpoint import wait_for_checkpoint
 
+    from zerokit.checkpoint import save as save_module
+
+    # The writer reads the live master and optimizer state (no host copy): a slow disk must make
+    # the next step wait for it rather than let the step change what is being written.
+    write_rank = save_module.write_rank
+    save_module.write_rank = lambda *a, **k: (time.sleep(0.5), write_rank(*a, **k))[1]
     cfg = _config(1, "bf16", checkpoint={"async_save": True})
     engine, _, _, _ = zerokit.initialize(model=tiny_gpt(0), config=cfg)
     _steps(engine, rank, 2)

@@ -9,8 +9,8 @@ See docs/checkpoint.md and [Note: checkpoint layout] in metadata.py.
 from __future__ import annotations
 
 from zerokit.checkpoint.load import IncompleteCheckpointError, load_checkpoint
-from zerokit.checkpoint.save import save_checkpoint, wait_for_checkpoint
+from zerokit.checkpoint.save import save_checkpoint, settle_checkpoint, wait_for_checkpoint
 from zerokit.checkpoint.storage import CheckpointWriteError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "IncompleteCheckpointError",
+__all__ = ["save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "settle_checkpoint", "IncompleteCheckpointError",
            "CheckpointWriteError"]

@@ -30,7 +30,6 @@ stale weights to continue with.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,9 +74,7 @@ def state_parts(u, state: dict, key: str) -> Parts:
 
 def pending_write_back(engine: "Engine") -> bool:
     """A delayed host update has finished or runs, and its weights are not yet written back."""
-    stepper = engine.offload
-    # HostStepper keeps the update it will write back at the next step in `_worker` / `_stepped`.
-    return stepper is not None and stepper._worker is not None and bool(stepper._stepped)
+    return engine.offload is not None and engine.offload.pending_write_back
 
 
 def offload_record(engine: "Engine") -> dict[str, Any] | None:
@@ -104,15 +101,8 @@ def cut(parts: Parts, lo: int, hi: int) -> Parts:
 def drop_own_pending_update(engine: "Engine") -> None:
     """Before a load: the loading engine's own delayed update must neither run on under the loaded
     state nor write its weights back over the loaded ones at the next step."""
-    stepper = engine.offload
-    if stepper is None:
-        return
-    if stepper._worker is not None:
-        stepper._join()
-    if stepper._copied is not None:
-        stepper._copied.synchronize()
-        stepper._copied = None
-    stepper._stepped, stepper._written = [], []
+    if engine.offload is not None:
+        engine.offload.drop_pending()
 
 
 def load_master(saved, u, names: set[str]) -> None:
@@ -181,10 +171,4 @@ def restore_pipeline(engine: "Engine", saved, names: set[str], record: dict | No
             saved.fill(u, IN_USE, 0, u.padded_numel, u.flat, names)
         u.publish_weights()
         u.wait_weights()
-    # The update the saving run had in flight is done (its result is the loaded master): the next
-    # step's before_step joins this finished worker and writes the master back, as it would have.
-    done = threading.Thread(target=lambda: None)
-    done.start()
-    done.join()
-    stepper._worker = done
-    stepper._stepped = [u.host for u in engine.units if u.host is not None]
+    stepper.restore_pending()

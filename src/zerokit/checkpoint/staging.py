@@ -1,4 +1,5 @@
-"""The host staging buffer of asynchronous saves: the snapshot is copied here, then written.
+"""The host staging buffer of asynchronous saves: device tensors of the snapshot are copied
+here, then written (host tensors are written in place: [Note: async save without a host copy]).
 
 One buffer per engine, reused: the next save waits for the previous one, so one suffices, and
 reuse spares every save but the first the page faults of fresh memory. The first save's copy

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from zerokit.checkpoint.save import settle_checkpoint
 from zerokit.config.schema import ZeroKitConfig
 from zerokit.core.collectives import CollectiveError, Comm, Handle
 from zerokit.core.unit import Unit
@@ -174,6 +175,7 @@ class Engine(nn.Module):
         if not boundary:
             return
         t0 = time.perf_counter()
+        settle_checkpoint(self)  # an async save may still be reading the state this step changes
         if self.offload is not None:  # host gradients landed; a delayed update joined
             self.offload.before_step()
         trainable = [u for u in self.units if u.trainable]

@@ -170,6 +170,31 @@ class HostStepper:
             self._copied.record()
         self._written, self._stepped = self._stepped, []
 
+    # ---- checkpoints (zerokit/checkpoint/offload_state.py) ------------------------------------
+    @property
+    def pending_write_back(self) -> bool:
+        """A delayed host update has finished or runs, and its weights are not yet written back."""
+        return self._worker is not None and bool(self._stepped)
+
+    def drop_pending(self) -> None:
+        """Before a load: finish this engine's own delayed update and forget its write-back, so it
+        neither runs on under the loaded state nor overwrites the loaded weights."""
+        if self._worker is not None:
+            self._join()
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        self._stepped, self._written = [], []
+
+    def restore_pending(self) -> None:
+        """After a load of a checkpoint saved with an update pending: that update is done (its
+        result is the loaded master); the next step writes it back, as the saving run would."""
+        finished = threading.Thread(target=lambda: None)
+        finished.start()
+        finished.join()
+        self._worker = finished
+        self._stepped = list(self.shards)
+
     def device_bytes_saved(self) -> int:
         """Device bytes this rank no longer holds: optimizer state and gradient of the host parts,
         and their fp32 master where it was a separate copy (16-bit compute)."""
