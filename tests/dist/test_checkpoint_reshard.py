@@ -6,6 +6,7 @@ the final weights must match the one-process torch reference (fp32 tolerances of
 """
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 
@@ -22,7 +23,7 @@ MATRIX = [((2, 1), (4, 2)), ((2, 1), (4, 3)), ((4, 2), (2, 2)), ((2, 2), (1, 0))
 
 
 def _config(world: int, stage: int, placement: str = "none") -> dict:
-    offload = PLACEMENTS[placement]
+    offload = copy.deepcopy(PLACEMENTS[placement])  # callers edit it; the table is shared
     return {"train_micro_batch_size_per_gpu": GLOBAL // world,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
             "gradient_clipping": 1.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
