@@ -82,6 +82,7 @@ def ds_config(args, stage):
 _base_zerokit_config, _base_ds_config = S.zerokit_config, S._ds_config
 # bench_step's worker and row runner read these module globals: point them at this benchmark.
 S.ROWS, S.zerokit_config, S._ds_config, S.__file__ = ROWS, zerokit_config, ds_config, __file__
+S.DEFAULT_ROWS, S.GROUPS, S.__doc__ = DEFAULT_ROWS, {}, __doc__  # what --help says
 
 
 def _peer(name: str) -> str | None:
