@@ -79,3 +79,22 @@ def reference_train(make_model: Callable[[], nn.Module], make_optimizer: Callabl
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().float().clone() for k, v in master.named_parameters()}
+
+
+def engine_train(engine, batches, rank: int, world: int, gas: int = 1) -> list[float]:
+    """The zerokit side of a parity test: each global batch as `gas` micro-steps of this rank's
+    rows; returns each step's loss averaged over ranks, comparable with reference_train's."""
+    losses = []
+    for batch in batches:
+        step_loss = 0.0
+        for micro in range(gas):
+            x, y = rank_micro_batch(batch, rank, world, micro, gas)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / gas
+        t = torch.tensor([step_loss])
+        if world > 1:
+            torch.distributed.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses

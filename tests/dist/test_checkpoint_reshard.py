@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness import run_world
-from reference import global_batches, rank_micro_batch, reference_train, tiny_gpt
+from reference import engine_train, global_batches, reference_train, tiny_gpt
 from test_checkpoint_resume import PLACEMENTS
 
 STEPS, SAVE_AT, GLOBAL, LR = 5, 2, 4, 1e-3
@@ -32,17 +32,7 @@ def _config(world: int, stage: int, placement: str = "none") -> dict:
 
 def _train(engine, rank: int, world: int, steps: range) -> list[float]:
     batches = global_batches(STEPS, GLOBAL)
-    losses = []
-    for i in steps:
-        x, y = rank_micro_batch(batches[i], rank, world, 0, 1)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().clone().view(1)
-        if world > 1:
-            torch.distributed.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return engine_train(engine, [batches[i] for i in steps], rank, world)
 
 
 def _phase(rank: int, world: int, root: str, saves: list, loads: list) -> dict:

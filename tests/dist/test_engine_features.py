@@ -6,7 +6,7 @@ import math
 import torch
 
 from harness import run_world
-from reference import global_batches, rank_micro_batch, reference_train, tiny_gpt
+from reference import engine_train, global_batches, rank_micro_batch, reference_train, tiny_gpt
 
 STEPS, MICRO = 4, 2
 
@@ -20,17 +20,7 @@ def _groups(model: torch.nn.Module) -> list[dict]:
 
 
 def _run(engine, rank: int, world: int) -> list[float]:
-    losses = []
-    for batch in global_batches(STEPS, MICRO * world):
-        x, y = rank_micro_batch(batch, rank, world, 0, 1)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().clone().view(1)
-        if world > 1:
-            torch.distributed.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return engine_train(engine, global_batches(STEPS, MICRO * world), rank, world)
 
 
 def _user_optimizer_cases(rank: int, world: int) -> dict:

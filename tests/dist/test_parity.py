@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import run_world
-from reference import global_batches, rank_micro_batch, reference_train, tiny_gpt
+from reference import engine_train, global_batches, reference_train, tiny_gpt
 
 STEPS, MICRO, LR = 5, 2, 1e-3
 CASES = [(stage, dtype, gas, "AdamW") for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")
@@ -48,20 +48,7 @@ def _train_zerokit(rank: int, world: int, cases) -> dict:
         stage, dtype, gas, opt = case
         model = tiny_gpt()
         engine, _, _, _ = zerokit.initialize(model=model, config=_config(*case))
-        batches = global_batches(STEPS, MICRO * world * gas)
-        losses = []
-        for batch in batches:
-            step_loss = 0.0
-            for micro in range(gas):
-                x, y = rank_micro_batch(batch, rank, world, micro, gas)
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                step_loss += loss.item() / gas
-            t = torch.tensor([step_loss])
-            if world > 1:
-                torch.distributed.all_reduce(t)
-            losses.append(t.item() / world)
+        losses = engine_train(engine, global_batches(STEPS, MICRO * world * gas), rank, world, gas)
         # Read right after a step, while weights may be in flight: state_dict must wait.
         compute = {k: v.clone() for k, v in model.state_dict().items()} if stage < 3 else {}
         fp32 = engine.consolidated_fp32_state_dict()

@@ -7,7 +7,7 @@ import psutil
 import torch
 
 from harness import run_world
-from reference import TINY, global_batches, rank_micro_batch, reference_train, tiny_gpt
+from reference import TINY, engine_train, global_batches, reference_train, tiny_gpt
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
@@ -24,15 +24,7 @@ def _build_and_train(rank: int, world: int) -> dict:
     shape_ok = w.shape == (4 * TINY.n_embd, TINY.n_embd)
     engine, _, _, _ = zerokit.initialize(model=model, config=CONFIG)
     built = engine.consolidated_fp32_state_dict()
-    losses = []
-    for batch in global_batches(3, 2 * world):
-        x, y = rank_micro_batch(batch, rank, world, 0, 1)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().view(1).clone()
-        torch.distributed.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = engine_train(engine, global_batches(3, 2 * world), rank, world)
     return {"built": built, "losses": losses, "final": engine.consolidated_fp32_state_dict(),
             "shape_ok": shape_ok}
 
