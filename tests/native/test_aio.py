@@ -229,3 +229,37 @@ def test_large_buffers_start_on_huge_pages_and_ask_for_them(tmp_path):
         back = aligned_empty(big.numel(), residue=64)
         a.read(str(tmp_path / "f"), back, 64).wait()
         assert torch.equal(back, big)
+
+
+def _until_done(*handles, timeout=10.0):
+    """Spins until the engine has moved every handle's bytes, without completing the handles
+    (no wait(): that would run the completion step under test)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not all(h.done() for h in handles):
+        assert time.monotonic() < deadline, "I/O did not finish"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("b_off,b_len", [(1000, 3000), (1000, 9000), (12288 + 100, 5000)],
+                         ids=["adjacent", "adjacent-long", "further-out"])
+def test_concurrent_extending_writes_keep_each_others_bytes(aio, tmp_path, b_off, b_len):
+    """Two live writes extending one file: completing the first (cutting O_DIRECT's sector
+    padding) must not truncate away what the second wrote, whichever backend moved the bytes."""
+    path = str(tmp_path / "f")
+    a, b = _rand(1000, 64), _rand(b_len, 3)
+    ha = aio.write(path, a, 0)
+    _until_done(ha)  # A's bytes (and padding) are on disk, its completion still pending
+    hb = aio.write(path, b, b_off)
+    _until_done(hb)  # B's bytes too: both handles are live, neither completed
+    assert ha.wait() == 1000  # A completes first, B is still live
+    assert hb.wait() == b_len
+    end = b_off + b_len
+    assert os.path.getsize(path) == end  # B's end, and no sector padding left behind
+    expect = torch.zeros(end, dtype=torch.uint8)
+    expect[:1000], expect[b_off:] = a, b
+    got = torch.empty(end, dtype=torch.uint8)
+    aio.read(path, got).wait()
+    assert torch.equal(got, expect)
+    assert not aio._extents  # the last live write of the file dropped its entry

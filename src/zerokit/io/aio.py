@@ -119,11 +119,13 @@ class IOHandle:
     idempotent. The handle keeps the tensor alive and closes its file when the I/O completes."""
 
     def __init__(self, aio: "AsyncIO", write: bool, path: str, fd: int, direct: bool,
-                 tensor: torch.Tensor, offset: int, request: int, fsync: bool, size_before: int,
-                 checksums: bool, expected: list[int] | None):
+                 tensor: torch.Tensor, offset: int, request: int, fsync: bool,
+                 file_key: tuple[int, int] | None, checksums: bool,
+                 expected: list[int] | None):
         self._aio, self.write, self.path, self._fd = aio, write, path, fd
         self.direct, self._tensor, self.offset, self._request = direct, tensor, offset, request
-        self._fsync, self._size_before = fsync, size_before
+        # A write's file identity (st_dev, st_ino), registered in AsyncIO._extents until done.
+        self._fsync, self._file_key = fsync, file_key
         self._want_checksums, self._expected = checksums, expected
         self.nbytes = tensor.numel() * tensor.element_size()
         self.checksums: list[int] | None = None
@@ -155,19 +157,22 @@ class IOHandle:
 
     def _complete(self) -> int | AioError:
         err, off, got, nbytes, crcs = self._aio._engine.wait(self._request)
-        if err == errno_mod.EINVAL and self.direct:
-            # The filesystem took O_DIRECT at open but refuses it per request: redo it buffered.
-            warn_once(f"einval:{os.path.dirname(self.path)}",
-                      f"O_DIRECT I/O refused (EINVAL) under {os.path.dirname(self.path)!r}; "
-                      f"using buffered I/O there")
-            os.close(self._fd)
-            self._fd = os.open(self.path, os.O_RDWR if self.write else os.O_RDONLY)
-            self.direct = False
-            self._request = self._aio._engine.submit(
-                self.write, self._fd, False, self._tensor.data_ptr(), self.nbytes, self.offset,
-                fsync=False, want_checksums=self._want_checksums, expected=self._expected)
-            err, off, got, nbytes, crcs = self._aio._engine.wait(self._request)
         try:
+            if err == errno_mod.EINVAL and self.direct:
+                # The filesystem took O_DIRECT at open but refuses it per request: redo it
+                # buffered. Same file, so the write stays registered in AsyncIO._extents.
+                warn_once(f"einval:{os.path.dirname(self.path)}",
+                          f"O_DIRECT I/O refused (EINVAL) under {os.path.dirname(self.path)!r}; "
+                          f"using buffered I/O there")
+                fd, self._fd = self._fd, -1
+                os.close(fd)
+                self._fd = os.open(self.path, os.O_RDWR if self.write else os.O_RDONLY)
+                self.direct = False
+                self._request = self._aio._engine.submit(
+                    self.write, self._fd, False, self._tensor.data_ptr(), self.nbytes,
+                    self.offset, fsync=False, want_checksums=self._want_checksums,
+                    expected=self._expected)
+                err, off, got, nbytes, crcs = self._aio._engine.wait(self._request)
             if err == _fallback.ERR_SHORT:
                 size = os.fstat(self._fd).st_size
                 return AioError(errno_mod.EIO, f"short file ({size} bytes; block at {off} "
@@ -179,11 +184,7 @@ class IOHandle:
                 return AioError(err, "writing" if self.write else "reading", self.path,
                                 offset=off)
             if self.write:
-                end = self.offset + self.nbytes
-                # Direct writes round the last sector up; cut back only what this write added
-                # past its end, never bytes that were in the file before.
-                if self._size_before <= end < os.fstat(self._fd).st_size:
-                    os.ftruncate(self._fd, end)
+                self._aio._cut_padding(self._fd, self._file_key)
                 if self._fsync:
                     os.fsync(self._fd)
             self.checksums = list(crcs) if self._want_checksums else None
@@ -191,7 +192,8 @@ class IOHandle:
         except OSError as e:
             return AioError(e.errno or errno_mod.EIO, "finishing", self.path)
         finally:
-            os.close(self._fd)
+            if self._fd >= 0:
+                os.close(self._fd)
             self._tensor = None
             self._aio._forget(self)
 
@@ -240,6 +242,12 @@ class AsyncIO:
         self.checksum_algorithm = "crc32c" if use_native else _fallback.CHECKSUM_ALGORITHM
         self._direct_ok = c.use_direct and use_native and hasattr(os, "O_DIRECT")
         self._live: set[IOHandle] = set()
+        # Per file (st_dev, st_ino) with live writes (submitted, not yet completed):
+        # [size before the first of them, largest end any of them asked for, how many].
+        # Cutting O_DIRECT's sector padding goes down to that end only, so one write's
+        # completion never truncates bytes another write of the same file put or is putting
+        # there. Guarded by _lock, as is every truncation.
+        self._extents: dict[tuple[int, int], list[int]] = {}
         self._lock = threading.Lock()
 
     def block_counts(self) -> dict[str, int]:
@@ -274,9 +282,11 @@ class AsyncIO:
                              f"contiguous={tensor.is_contiguous()} for {path!r}")
         path = os.fspath(path)
         fd, direct = self._open(path, write)
+        nbytes = tensor.numel() * tensor.element_size()
+        key = None
         try:
-            size_before = os.fstat(fd).st_size
-            nbytes = tensor.numel() * tensor.element_size()
+            if write:
+                key, size_before = self._register_write(fd, offset + nbytes)
             if write and nbytes and size_before < offset + nbytes:
                 # Reserving the extent up front lets ext4/xfs run the direct block writes in
                 # parallel instead of serialising each file-extending write, and turns a full
@@ -290,9 +300,11 @@ class AsyncIO:
             req = self._engine.submit(write, fd, direct, tensor.data_ptr(), nbytes, offset,
                                       fsync=False, want_checksums=checksums, expected=expected)
         except BaseException:
+            if key is not None:
+                self._release_write(key)
             os.close(fd)
             raise
-        h = IOHandle(self, write, path, fd, direct, tensor, offset, req, fsync, size_before,
+        h = IOHandle(self, write, path, fd, direct, tensor, offset, req, fsync, key,
                      checksums or expected is not None, expected)
         with self._lock:
             self._live.add(h)
@@ -309,9 +321,46 @@ class AsyncIO:
         """Fills the tensor from the file at offset; a file that ends early raises."""
         return self._submit(False, path, tensor, offset, False, checksums, expected_checksums)
 
+    def _register_write(self, fd: int, end: int) -> tuple[tuple[int, int], int]:
+        """Counts a write ending at `end` as live on fd's file; returns the file's key and size
+        now. Under the lock, so no completion truncates between the stat and the count."""
+        with self._lock:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            entry = self._extents.get(key)
+            if entry is None:
+                self._extents[key] = [st.st_size, end, 1]
+            else:
+                entry[1] = max(entry[1], end)
+                entry[2] += 1
+            return key, st.st_size
+
+    def _release_write(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            self._release_write_locked(key)
+
+    def _release_write_locked(self, key: tuple[int, int]) -> None:
+        entry = self._extents[key]
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self._extents[key]
+
+    def _cut_padding(self, fd: int, key: tuple[int, int]) -> None:
+        """On a successful write's completion: direct writes round the last sector up, so cut
+        the file back to the largest end the live writes of this file asked for (never below
+        bytes another of them wrote or is writing, nor below what the file held before the first
+        of them). _forget then drops the write from the count."""
+        with self._lock:
+            size_before, end, _ = self._extents[key]
+            if size_before <= end < os.fstat(fd).st_size:
+                os.ftruncate(fd, end)
+
     def _forget(self, h: IOHandle) -> None:
         with self._lock:
             self._live.discard(h)
+            if h.write and h._file_key is not None:
+                self._release_write_locked(h._file_key)
+                h._file_key = None
 
     def synchronize(self) -> None:
         """Waits for every outstanding request; raises the first error after waiting for all."""
