@@ -246,3 +246,78 @@ def test_permission_denied_names_path_and_key():
     finally:
         subprocess.run(["chmod", "-R", "u+rwx", base], check=False)
         subprocess.run(["rm", "-rf", base], check=False)
+
+
+# -- streaming through a ring of staging buffers (the NVMe -> host -> device path) ------------
+def _pieces(swapper, key):
+    """stream_in's pieces, copied (each is a staging view, reused after the next one)."""
+    return [(start, piece.clone()) for start, piece in swapper.stream_in(key)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+@pytest.mark.parametrize("numel", [1, 4095, 16384 * 5 + 17])
+def test_stream_in_pieces_are_the_tensor_in_order(swapper, dtype, numel):
+    t = _make((numel,), dtype)
+    # An ordinary tensor sits at 64 mod 4096: the file's first piece then starts mid-block.
+    swapper.swap_out("s", t, wait=True)
+    pieces = _pieces(swapper, "s")
+    starts = [s for s, _ in pieces]
+    assert starts[0] == 0 and starts == sorted(starts)
+    assert all(s + p.numel() == n for (s, p), (n, _) in zip(pieces, pieces[1:]))
+    assert torch.equal(torch.cat([p for _, p in pieces]), t)
+    ring = swapper._staging_ring()
+    assert ring.buffer_bytes == CFG.block_size and ring.free_count == ring.capacity
+    # Host memory is the ring's, not the tensor's: one piece per block.
+    assert len(pieces) == swapper.aio.num_blocks(t.numel() * t.element_size(),
+                                                 t.data_ptr() % 4096)
+
+
+def test_stream_in_uses_the_pool_and_allocates_nothing_more(tmp_path):
+    pool = BufferPool(2 * CFG.block_size + 100, 3, pin=False)  # two blocks per piece
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        s = TensorSwapper(str(tmp_path), config=CFG, checksums=True, pool=pool)
+    t = _make((16384 * 7 + 5,), torch.float32)
+    s.swap_out("big", t, wait=True)
+    held = pool.acquire()  # a pool shared with other users: the ring is shallower, not stuck
+    for _ in range(3):
+        pieces = _pieces(s, "big")
+        assert torch.equal(torch.cat([p for _, p in pieces]), t)
+        assert max(p.numel() for _, p in pieces) * 4 <= 2 * CFG.block_size
+    pool.release(held)
+    assert pool.allocations == 3 and pool.free_count == 3 and s._ring is None
+    s.close()
+
+
+def test_stream_in_corruption_and_early_exit_give_every_buffer_back(swapper):
+    t = _make((16384 * 6,), torch.float32)
+    swapper.swap_out("c", t, wait=True)
+    # Leaving the loop early drains the reads in flight and returns their buffers.
+    first = next(iter(swapper.stream_in("c")))
+    assert first[0] == 0
+    ring = swapper._staging_ring()
+    it = swapper.stream_in("c")
+    next(it)
+    it.close()
+    assert ring.free_count == ring.capacity
+    path = swapper.path_of("c")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 20000)
+        f.write(b"\xff" * 8)
+    with pytest.raises(ChecksumError, match="'c'"):
+        _pieces(swapper, "c")
+    assert ring.free_count == ring.capacity
+
+
+def test_stream_needs_buffers_of_a_block(tmp_path):
+    from zerokit.io.stream import read_chunks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        s = TensorSwapper(str(tmp_path), config=CFG, pool=BufferPool(4096, 2, pin=False))
+    s.swap_out("x", torch.ones(10000), wait=True)
+    # A pool too small for a block is not used as the ring: the swapper makes its own.
+    assert torch.equal(s.swap_in("x"), torch.ones(10000))
+    assert torch.equal(torch.cat([p for _, p in _pieces(s, "x")]), torch.ones(10000))
+    with pytest.raises(ValueError, match="buffer_bytes=4096"):
+        next(read_chunks(s.aio, s.path_of("x"), 40000, BufferPool(4096, 2, pin=False)))
+    s.close()

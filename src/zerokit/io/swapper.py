@@ -21,11 +21,13 @@ import os
 import re
 import shutil
 import threading
+from typing import Iterator
 
 import torch
 
 from zerokit.io.aio import AioConfig, AioError, AsyncIO, IOHandle
 from zerokit.io.buffers import ALIGN, BufferPool, aligned_empty, pin_default
+from zerokit.io.stream import read_chunks
 
 
 @dataclasses.dataclass
@@ -51,6 +53,7 @@ class TensorSwapper:
         self.checksums = checksums
         self.fsync = fsync
         self.pool = pool
+        self._ring: BufferPool | None = None  # staging for streamed reads, made on first use
         self._entries: dict[str, _Entry] = {}
         self._pending: dict[str, _Entry] = {}  # key -> the version being written
         self._disk_bytes = 0
@@ -197,6 +200,11 @@ class TensorSwapper:
                 self._release(pf)
             raise ValueError(f"swap_in({key!r}): out is {out.dtype}{tuple(out.shape)}, the "
                              f"stored tensor is {e.dtype}{tuple(e.shape)}")
+        if pf is None and out is not None and out.device.type != "cpu" and out.is_contiguous():
+            flat = out.view(-1)
+            for start, chunk in self.stream_in(key):
+                flat[start:start + chunk.numel()].copy_(chunk)
+            return out
         if pf is not None:
             buf, h = pf
         elif out is not None and out.device.type == "cpu" and out.is_contiguous():
@@ -222,6 +230,38 @@ class TensorSwapper:
             out.copy_(self._typed(e, buf).view(out.shape))
             self._release((buf, h))
         return out
+
+    def stream_in(self, key: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yields the tensor stored under key in pieces, in order: (first element, 1-D piece),
+        each piece a view of a staging buffer that is reused once the next piece is asked for.
+        Reads run ahead through the ring while a piece is consumed, so host memory stays at the
+        ring's size whatever the tensor's: this is how swap_in fills a device tensor (NVMe ->
+        host -> device, pipelined), and how an optimizer can walk a state larger than memory.
+        The ring is the swapper's pool when its buffers hold an aio block, else
+        queue_depth * thread_count buffers of one block, made on first use."""
+        self._settle(key)
+        with self._lock:
+            e = self._get(key)
+        size = e.dtype.itemsize
+        chunks = read_chunks(self.aio, e.path, e.nbytes, self._staging_ring(), offset=e.pad,
+                             expected_checksums=e.checksums)
+        try:
+            for pos, buf in chunks:
+                yield pos // size, buf.view(e.dtype)
+        except AioError as err:
+            raise err.with_key(key) from None
+        finally:
+            chunks.close()
+
+    def _staging_ring(self) -> BufferPool:
+        block = self.aio.config.block_size
+        if self.pool is not None and self.pool.buffer_bytes >= block:
+            return self.pool
+        with self._lock:
+            if self._ring is None:
+                c = self.aio.config
+                self._ring = BufferPool(block, c.queue_depth * c.thread_count)
+            return self._ring
 
     def _release(self, pf: tuple[torch.Tensor, IOHandle | None]) -> None:
         buf, h = pf
