@@ -200,6 +200,34 @@ class DeepSpeedRow:
 
 
 RING = "zerokit linux-aio (ring, fio's footprint)"
+DS_RING = "deepspeed aio (ring, fio's footprint)"
+
+
+class DeepSpeedRingRow(DeepSpeedRow):
+    """DeepSpeed's op with the same footprint as the ring row: one locked buffer of
+    block_size * queue_depth * thread_count, filled or drained per call. Its handle's wait()
+    waits for everything outstanding, so a call runs its blocks in parallel and then drains."""
+
+    def __init__(self, cfg: AioConfig, path: str, nbytes: int):
+        super().__init__(cfg, path, cfg.block_size * cfg.queue_depth * cfg.thread_count)
+        self.nbytes = nbytes
+
+    def _each(self, op) -> None:
+        step = self.buf.numel()
+        for off in range(0, self.nbytes, step):
+            op(self.buf[:min(step, self.nbytes - off)], self.path, off)
+            self.h.wait()
+
+    def write(self) -> float:
+        def write():
+            self._each(self.h.async_pwrite)
+            fd = os.open(self.path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        return timed(write)
+
+    def read(self) -> float:
+        return timed(lambda: self._each(self.h.async_pread))
 
 
 def make_rows(cfg: AioConfig, d: str, nbytes: int, skip: list[str]) -> dict[str, object]:
@@ -221,6 +249,7 @@ def make_rows(cfg: AioConfig, d: str, nbytes: int, skip: list[str]) -> dict[str,
     if "deepspeed" not in skip:
         try:
             rows["deepspeed AsyncIOBuilder aio"] = DeepSpeedRow(cfg, path("ds"), nbytes)
+            rows[DS_RING] = DeepSpeedRingRow(cfg, path("ds_ring"), nbytes)
         except Exception as e:  # not installed, or libaio-dev missing for its JIT build
             rows["deepspeed AsyncIOBuilder aio"] = f"not available ({type(e).__name__})"
     return rows
@@ -263,7 +292,8 @@ class StreamLoad:
     """Streams writes or reads of one file until stopped, started and stopped once per pair;
     reports GB/s and the CPU seconds per GB its threads spent (the compute thread excluded).
     kind: an AsyncIO backend (zerokit's huge-page buffer), "linux-aio ordinary" (an ordinary
-    torch tensor on 4 KiB pages), "fio", or "none" (no I/O: the noise of the pairing itself)."""
+    torch tensor on 4 KiB pages), "linux-aio ring" (reads through the ring row's buffers),
+    "fio", or "none" (no I/O: the noise of the pairing itself)."""
 
     def __init__(self, kind: str, direction: str, cfg: AioConfig, d: str, nbytes: int):
         self.kind, self.direction, self.cfg, self.nbytes = kind, direction, cfg, nbytes
@@ -282,6 +312,8 @@ class StreamLoad:
                     else aligned_empty(nbytes)).fill_(3)
         self.off = self.buf.data_ptr() % 4096  # as the swapper places an ordinary tensor
         self.aio.write(self.path, self.buf, self.off).wait()
+        if kind.endswith("ring"):
+            self.pool = BufferPool(cfg.block_size, cfg.queue_depth * cfg.thread_count, pin=False)
 
     def _fio_cmd(self, rw: str, time_based: bool = True) -> list[str]:
         return (["fio", "--output-format=json", "--name=load", f"--filename={self.path}",
@@ -298,11 +330,19 @@ class StreamLoad:
             self.proc = subprocess.Popen(self._fio_cmd(self.direction), stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL, text=True)
             return
-        op = self.aio.write if self.direction == "write" else self.aio.read
+        if self.kind.endswith("ring"):
+            def op(path, buf, off):  # the whole file through the ring, as RingRow.read
+                for _ in read_chunks(self.aio, path, self.nbytes, self.pool, offset=off):
+                    pass
+        else:
+            submit = self.aio.write if self.direction == "write" else self.aio.read
+
+            def op(path, buf, off):
+                submit(path, buf, off).wait()
 
         def run():
             while not self.stop_evt.is_set():
-                op(self.path, self.buf, self.off).wait()
+                op(self.path, self.buf, self.off)
                 self.moved += self.nbytes
 
         self.thread = threading.Thread(target=run)
@@ -332,6 +372,10 @@ class StreamLoad:
             self.aio.close()
 
 
+def directions(kind: str) -> tuple[str, ...]:
+    return {"none": ("-",), "linux-aio ring": ("read",)}.get(kind, ("write", "read"))
+
+
 def compute_slowdown(cfg: AioConfig, d: str, nbytes: int, pairs: int,
                      kinds: list[str]) -> dict[str, dict]:
     """Each pair times the loop alone and with one load streaming (in alternating order); pairs
@@ -347,7 +391,7 @@ def compute_slowdown(cfg: AioConfig, d: str, nbytes: int, pairs: int,
     loop()
     tid = str(threading.get_native_id())
     loads = {f"{k} {rw}": StreamLoad(k, rw, cfg, d, nbytes)
-             for k in kinds for rw in (("-",) if k == "none" else ("write", "read"))}
+             for k in kinds for rw in directions(k)}
     res = {name: {"slowdown_pct": [], "GBps": [], "cpu_s_per_GB": []} for name in loads}
 
     def alone() -> float:
@@ -407,7 +451,7 @@ def main() -> None:
     rows = make_rows(cfg, d, nbytes, args.skip)
     try:
         gbps = throughput(rows, nbytes, args.reps)
-        kinds = ["none", "linux-aio", "linux-aio ordinary", "psync-threads"]
+        kinds = ["none", "linux-aio", "linux-aio ring", "linux-aio ordinary", "psync-threads"]
         if isinstance(rows.get("fio libaio O_DIRECT (raw disk)"), FioRow):
             kinds.append("fio")
         slow = compute_slowdown(cfg, d, min(nbytes, GiB // 2), args.pairs, kinds)
@@ -435,9 +479,12 @@ def main() -> None:
                        table))
     fio = gbps.get("fio libaio O_DIRECT (raw disk)")
     ds = gbps.get("deepspeed AsyncIOBuilder aio")
-    for zk_name, zk in (("one buffer", gbps["zerokit linux-aio (aligned buffer)"]),
-                        ("ring", gbps[RING])):
-        for ref_name, ref in (("fio", fio), ("deepspeed", ds)):
+    ds_ring = gbps.get(DS_RING)
+    for zk_name, zk, refs in (
+            ("one buffer", gbps["zerokit linux-aio (aligned buffer)"],
+             (("fio", fio), ("deepspeed one buffer", ds))),
+            ("ring", gbps[RING], (("fio", fio), ("deepspeed ring", ds_ring)))):
+        for ref_name, ref in refs:
             if ref and ref["write"]:
                 print(f"zerokit linux-aio {zk_name} / {ref_name}: "
                       f"write best {pct(max, zk['write'], ref['write'])}"
