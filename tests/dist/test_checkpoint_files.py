@@ -210,3 +210,41 @@ def test_markers_appear_only_whole(tmp_path, monkeypatch) -> None:
     assert visible_before_durable == [False]
     assert json.loads(marker.read_text()) == {"files": {"rank00001.safetensors": 123}}
     assert os.listdir(tmp_path) == ["rank00001.done"]
+
+
+def _load_fails_on_one_rank(rank: int, world: int, root: str) -> dict:
+    import zerokit
+
+    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(0), config=_config(3))
+    engine.save_checkpoint(os.path.join(root, "shared"), tag="t")
+    engine.save_checkpoint(os.path.join(root, "shared"), tag="u")
+    out = {}
+    cases = {  # what each rank is asked to load
+        "missing tag": ("shared", "t" if rank == 0 else "gone"),
+        "latest only on rank 0": ("shared" if rank == 0 else "empty", None),
+        "different tags": ("shared", "t" if rank == 0 else "u"),
+    }
+    for case, (directory, tag) in cases.items():
+        t0 = time.monotonic()
+        try:
+            engine.load_checkpoint(os.path.join(root, directory), tag=tag)
+            out[case] = ("loaded", time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[case] = (f"{type(e).__name__}: {e}", time.monotonic() - t0)
+    # The engine is still usable: nothing was half-loaded, the collectives are in step.
+    _, client = engine.load_checkpoint(os.path.join(root, "shared"), tag="t")
+    out["after"] = client
+    engine.destroy()
+    return out
+
+
+def test_a_load_failing_on_one_rank_stops_every_rank_at_once(tmp_path) -> None:
+    r0, r1 = run_world(_load_fails_on_one_rank, 2, str(tmp_path), comm_timeout=60.0)
+    assert "does not exist" in r1["missing tag"][0]
+    assert "rank(s) [1] could not open the checkpoint" in r0["missing tag"][0]
+    assert "rank(s) [1] found no 'latest'" in r0["latest only on rank 0"][0]
+    assert "found no 'latest'" in r1["latest only on rank 0"][0]
+    for r in (r0, r1):
+        assert "resolved different tags" in r["different tags"][0]
+        assert all(seconds < 20 for _, seconds in list(r.values())[:3])  # not the 60 s timeout
+        assert r["after"] == {}

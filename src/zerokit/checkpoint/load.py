@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -120,18 +121,13 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, load_modul
     """Collective. Returns (tag directory, client_state), or (None, None) if there is no `latest`."""
     wait_for_checkpoint(engine)
     engine.comm.barrier("load_checkpoint (previous saves committed)")
-    resolved = resolve_tag(load_dir, tag)
-    if resolved is None:
+    opened = _open_on_every_rank(engine, load_dir, tag, load_module_strict)
+    if opened is None:
         log.warning("no 'latest' file in %s: nothing loaded (pass tag= to load a specific one)", load_dir)
         return None, None
-    path = os.path.join(load_dir, resolved)
-    meta = read_meta(path)
-    layout = Layout(meta)
-    names = set(check_names(layout, engine, load_module_strict))
-    common = torch.load(os.path.join(path, COMMON), map_location="cpu", weights_only=False)
+    path, layout, names, common, saved = opened
     engine.wait_for_weights()
     drop_own_pending_update(engine)
-    saved = SavedTensors(path, layout)
     try:
         with torch.no_grad():
             _load_weights(engine, saved, names)
@@ -146,6 +142,47 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, load_modul
         _load_training_state(engine, common, path, load_optimizer_states, load_lr_scheduler_states)
     engine.comm.barrier("load_checkpoint")
     return path, common["client_state"]
+
+
+def _open_on_every_rank(engine: "Engine", load_dir: str, tag: Any, strict: bool):
+    """Resolves, validates and opens the tag; then every rank learns how the others fared (one
+    all-reduce), before the loading collectives. A rank that failed alone would otherwise leave
+    the others in the weight gathers until the communication timeout."""
+    opened, err = None, None
+    try:
+        resolved = resolve_tag(load_dir, tag)
+        if resolved is not None:
+            path = os.path.join(load_dir, resolved)
+            layout = Layout(read_meta(path))
+            names = set(check_names(layout, engine, strict))
+            common = torch.load(os.path.join(path, COMMON), map_location="cpu", weights_only=False)
+            opened = (path, layout, names, common, SavedTensors(path, layout))
+    except Exception as e:  # noqa: BLE001 - raised below, after the other ranks have heard
+        err = e
+    # 0: opened, 1: no `latest` (nothing to load), 2: failed; plus which tag each rank resolved,
+    # so that ranks reading different `latest` files (a directory not shared) are caught too.
+    state = 2 if err is not None else (1 if opened is None else 0)
+    tag_id = zlib.crc32(os.path.basename(opened[0]).encode()) if opened else 0
+    codes = engine.comm.flags_by_rank(tag_id * 4 + state, "load_checkpoint (opening the tag)")
+    states, tags = [c % 4 for c in codes], [c // 4 for c in codes]
+    failed = [r for r, s in enumerate(states) if s == 2]
+    problem = None
+    if failed:
+        problem = (f"rank(s) {failed} could not open the checkpoint in {load_dir!r} (their own "
+                   f"errors say why)")
+    elif len(set(states)) > 1:
+        problem = (f"rank(s) {[r for r, s in enumerate(states) if s == 1]} found no 'latest' file "
+                   f"in {load_dir!r} while the others did: is it on a filesystem every rank sees?")
+    elif len(set(tags)) > 1:
+        problem = (f"the ranks resolved different tags in {load_dir!r} (per-rank 'latest' files "
+                   f"differ): pass tag= or share the directory")
+    if problem is None:
+        return opened
+    if opened is not None:
+        opened[4].close()
+    if err is not None:
+        raise err
+    raise RuntimeError(f"load_checkpoint: {problem}; nothing was loaded on any rank")
 
 
 def _load_weights(engine: "Engine", saved: SavedTensors, names: set[str]) -> None:

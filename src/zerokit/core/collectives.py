@@ -251,6 +251,16 @@ class Comm:
         self.all_reduce_(t, where, op=dist.ReduceOp.MAX)
         return float(t.item())
 
+    def flags_by_rank(self, flag: int, where: str) -> list[int]:
+        """Every rank's small integer, on every rank (one all-reduce of a world-sized vector):
+        which ranks failed a local step that must not be followed by collectives alone."""
+        if self.world_size == 1:
+            return [flag]
+        t = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        t[self.rank] = flag
+        self.all_reduce_(t, where)
+        return [int(v) for v in t.cpu()]
+
     def sum_scalar(self, value: torch.Tensor, where: str) -> torch.Tensor:
         """One all-reduce of a 1-element fp64 tensor (the squared gradient norm; inf/nan propagate)."""
         if self.world_size > 1:
