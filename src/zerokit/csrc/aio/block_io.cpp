@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 
 #include "aio/crc32c.h"
 
@@ -92,11 +93,52 @@ void finish_read(const Block& b) {
 
 namespace {
 
+// Sector locks, process-wide: two requests (of any engine) whose unaligned edges fall in one
+// sector of one file would otherwise race, each reading the sector, patching its own bytes in
+// and writing the whole sector back over the other's. A staged write holds the stripes of its
+// partial edge sectors from the read to the write. Aligned blocks never share a sector.
+constexpr size_t kSectorStripes = 256;
+std::mutex sector_stripes[kSectorStripes];
+
+size_t sector_stripe(const Request& r, int64_t offset) {
+  uint64_t h = r.dev * 0x9E3779B97F4A7C15ull;
+  h ^= r.ino + 0x632BE59BD9B4E019ull + (h << 6) + (h >> 2);
+  h ^= static_cast<uint64_t>(offset / kAlign) * 0xC2B2AE3D27D4EB4Full;
+  h ^= h >> 33;  // splitmix64 finaliser
+  h *= 0xFF51AFD7ED558CCDull;
+  h ^= h >> 33;
+  return static_cast<size_t>(h % kSectorStripes);
+}
+
+// Holds the stripes of up to two sectors, taken in index order (once where they coincide), so
+// two blocks each needing two stripes cannot deadlock.
+class SectorLocks {
+ public:
+  void add(size_t stripe) { ids_[n_++] = stripe; }
+  void lock() {
+    if (n_ == 2 && ids_[1] < ids_[0]) std::swap(ids_[0], ids_[1]);
+    if (n_ == 2 && ids_[0] == ids_[1]) n_ = 1;
+    for (int i = 0; i < n_; ++i) sector_stripes[ids_[i]].lock();
+  }
+  ~SectorLocks() {
+    for (int i = n_; i-- > 0;) sector_stripes[ids_[i]].unlock();
+  }
+
+ private:
+  size_t ids_[2] = {0, 0};
+  int n_ = 0;
+};
+
 // Writes a block O_DIRECT cannot take as it is: partial sectors at its edges keep the bytes
-// already on disk (read-modify-write); past the end of the file they are zeros.
+// already on disk (read-modify-write, under their sector locks); past the end of the file they
+// are zeros.
 int64_t write_staged(const Block& b, char* bounce) {
   int fd = b.req->fd;
   int64_t a0 = align_down(b.off), a1 = align_up(b.off + b.len), span = a1 - a0;
+  SectorLocks locks;
+  if (a0 != b.off) locks.add(sector_stripe(*b.req, a0));
+  if (a1 != b.off + b.len) locks.add(sector_stripe(*b.req, a1 - kAlign));
+  locks.lock();
   if (a0 != b.off) {
     int64_t got = pread_full(fd, bounce, kAlign, a0, true);
     if (got < 0) return got;

@@ -1,5 +1,6 @@
 #include "aio/engine.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -71,6 +72,11 @@ int64_t Engine::submit(bool write, int fd, bool direct, char* ptr, int64_t nbyte
   req->direct = direct;
   req->fsync = fsync;
   req->want_checksums = want_checksums || (expected != nullptr);
+  struct stat st;
+  if (write && direct && ::fstat(fd, &st) == 0) {
+    req->dev = static_cast<uint64_t>(st.st_dev);
+    req->ino = static_cast<uint64_t>(st.st_ino);
+  }
   int64_t nblocks = num_blocks(nbytes, offset);
   if (expected) {
     if (static_cast<int64_t>(expected->size()) != nblocks)

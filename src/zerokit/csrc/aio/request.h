@@ -33,6 +33,10 @@ struct Request {
   bool direct = false;
   bool fsync = false;
   bool want_checksums = false;
+  // The file's identity (st_dev, st_ino), taken at submit for direct writes: the key of the
+  // sector locks their partial edge sectors take (block_io.cpp). Zero where fstat failed, which
+  // only makes unrelated files share locks.
+  uint64_t dev = 0, ino = 0;
   std::vector<uint32_t> expected;
   std::mutex mu;
   std::condition_variable cv;
