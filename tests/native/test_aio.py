@@ -242,16 +242,21 @@ def _until_done(*handles, timeout=10.0):
         time.sleep(0.001)
 
 
+@pytest.mark.parametrize("engines", [1, 2], ids=["one-engine", "two-engines"])
 @pytest.mark.parametrize("b_off,b_len", [(1000, 3000), (1000, 9000), (12288 + 100, 5000)],
                          ids=["adjacent", "adjacent-long", "further-out"])
-def test_concurrent_extending_writes_keep_each_others_bytes(aio, tmp_path, b_off, b_len):
+def test_concurrent_extending_writes_keep_each_others_bytes(aio, tmp_path, b_off, b_len,
+                                                            engines):
     """Two live writes extending one file: completing the first (cutting O_DIRECT's sector
-    padding) must not truncate away what the second wrote, whichever backend moved the bytes."""
+    padding) must not truncate away what the second wrote, whichever backend moved the bytes
+    and whether one engine or two submitted them."""
     path = str(tmp_path / "f")
     a, b = _rand(1000, 64), _rand(b_len, 3)
     ha = aio.write(path, a, 0)
     _until_done(ha)  # A's bytes (and padding) are on disk, its completion still pending
-    hb = aio.write(path, b, b_off)
+    other = AsyncIO(aio.config, backend=aio.backend.replace("python-threads", "python")) \
+        if engines == 2 else aio
+    hb = other.write(path, b, b_off)
     _until_done(hb)  # B's bytes too: both handles are live, neither completed
     assert ha.wait() == 1000  # A completes first, B is still live
     assert hb.wait() == b_len
@@ -263,6 +268,8 @@ def test_concurrent_extending_writes_keep_each_others_bytes(aio, tmp_path, b_off
     aio.read(path, got).wait()
     assert torch.equal(got, expect)
     assert not aio._extents  # the last live write of the file dropped its entry
+    if other is not aio:
+        other.close()
 
 
 @pytest.mark.parametrize("engines", [1, 2], ids=["one-engine", "two-engines"])

@@ -93,6 +93,52 @@ class AioConfig:
         return cls(**section)
 
 
+class _LiveWrites:
+    """Per file (st_dev, st_ino) with live writes (submitted, not yet completed) from any
+    AsyncIO of this process: [size before the first of them, largest end any of them asked for,
+    how many]. Cutting O_DIRECT's sector padding goes down to that end only, so one write's
+    completion never truncates bytes another write of the same file put or is putting there,
+    whichever engine submitted it. Every truncation happens under the lock."""
+
+    def __init__(self) -> None:
+        self.files: dict[tuple[int, int], list[int]] = {}
+        self.lock = threading.Lock()
+
+    def register(self, fd: int, end: int) -> tuple[tuple[int, int], int]:
+        """Counts a write ending at `end` as live on fd's file; returns the file's key and size
+        now. Under the lock, so no completion truncates between the stat and the count."""
+        with self.lock:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            entry = self.files.get(key)
+            if entry is None:
+                self.files[key] = [st.st_size, end, 1]
+            else:
+                entry[1] = max(entry[1], end)
+                entry[2] += 1
+            return key, st.st_size
+
+    def release(self, key: tuple[int, int]) -> None:
+        with self.lock:
+            entry = self.files[key]
+            entry[2] -= 1
+            if entry[2] == 0:
+                del self.files[key]
+
+    def cut_padding(self, fd: int, key: tuple[int, int]) -> None:
+        """On a successful write's completion: direct writes round the last sector up, so cut
+        the file back to the largest end the live writes of this file asked for (never below
+        bytes another of them wrote or is writing, nor below what the file held before the first
+        of them). The write is released afterwards."""
+        with self.lock:
+            size_before, end, _ = self.files[key]
+            if size_before <= end < os.fstat(fd).st_size:
+                os.ftruncate(fd, end)
+
+
+_LIVE_WRITES = _LiveWrites()
+
+
 class AioError(OSError):
     """An I/O failure, naming the file, the byte offset, the errno text and (from the swapper)
     the key of the tensor."""
@@ -124,7 +170,7 @@ class IOHandle:
                  expected: list[int] | None):
         self._aio, self.write, self.path, self._fd = aio, write, path, fd
         self.direct, self._tensor, self.offset, self._request = direct, tensor, offset, request
-        # A write's file identity (st_dev, st_ino), registered in AsyncIO._extents until done.
+        # A write's file identity (st_dev, st_ino), registered in _LIVE_WRITES until done.
         self._fsync, self._file_key = fsync, file_key
         self._want_checksums, self._expected = checksums, expected
         self.nbytes = tensor.numel() * tensor.element_size()
@@ -160,7 +206,7 @@ class IOHandle:
         try:
             if err == errno_mod.EINVAL and self.direct:
                 # The filesystem took O_DIRECT at open but refuses it per request: redo it
-                # buffered. Same file, so the write stays registered in AsyncIO._extents.
+                # buffered. Same file, so the write stays registered in _LIVE_WRITES.
                 warn_once(f"einval:{os.path.dirname(self.path)}",
                           f"O_DIRECT I/O refused (EINVAL) under {os.path.dirname(self.path)!r}; "
                           f"using buffered I/O there")
@@ -184,7 +230,7 @@ class IOHandle:
                 return AioError(err, "writing" if self.write else "reading", self.path,
                                 offset=off)
             if self.write:
-                self._aio._cut_padding(self._fd, self._file_key)
+                _LIVE_WRITES.cut_padding(self._fd, self._file_key)
                 if self._fsync:
                     os.fsync(self._fd)
             self.checksums = list(crcs) if self._want_checksums else None
@@ -242,12 +288,7 @@ class AsyncIO:
         self.checksum_algorithm = "crc32c" if use_native else _fallback.CHECKSUM_ALGORITHM
         self._direct_ok = c.use_direct and use_native and hasattr(os, "O_DIRECT")
         self._live: set[IOHandle] = set()
-        # Per file (st_dev, st_ino) with live writes (submitted, not yet completed):
-        # [size before the first of them, largest end any of them asked for, how many].
-        # Cutting O_DIRECT's sector padding goes down to that end only, so one write's
-        # completion never truncates bytes another write of the same file put or is putting
-        # there. Guarded by _lock, as is every truncation.
-        self._extents: dict[tuple[int, int], list[int]] = {}
+        self._extents = _LIVE_WRITES.files  # process-wide: other engines may write the file
         self._lock = threading.Lock()
 
     def block_counts(self) -> dict[str, int]:
@@ -286,7 +327,7 @@ class AsyncIO:
         key = None
         try:
             if write:
-                key, size_before = self._register_write(fd, offset + nbytes)
+                key, size_before = _LIVE_WRITES.register(fd, offset + nbytes)
             if write and nbytes and size_before < offset + nbytes:
                 # Reserving the extent up front lets ext4/xfs run the direct block writes in
                 # parallel instead of serialising each file-extending write, and turns a full
@@ -301,7 +342,7 @@ class AsyncIO:
                                       fsync=False, want_checksums=checksums, expected=expected)
         except BaseException:
             if key is not None:
-                self._release_write(key)
+                _LIVE_WRITES.release(key)
             os.close(fd)
             raise
         h = IOHandle(self, write, path, fd, direct, tensor, offset, req, fsync, key,
@@ -321,45 +362,11 @@ class AsyncIO:
         """Fills the tensor from the file at offset; a file that ends early raises."""
         return self._submit(False, path, tensor, offset, False, checksums, expected_checksums)
 
-    def _register_write(self, fd: int, end: int) -> tuple[tuple[int, int], int]:
-        """Counts a write ending at `end` as live on fd's file; returns the file's key and size
-        now. Under the lock, so no completion truncates between the stat and the count."""
-        with self._lock:
-            st = os.fstat(fd)
-            key = (st.st_dev, st.st_ino)
-            entry = self._extents.get(key)
-            if entry is None:
-                self._extents[key] = [st.st_size, end, 1]
-            else:
-                entry[1] = max(entry[1], end)
-                entry[2] += 1
-            return key, st.st_size
-
-    def _release_write(self, key: tuple[int, int]) -> None:
-        with self._lock:
-            self._release_write_locked(key)
-
-    def _release_write_locked(self, key: tuple[int, int]) -> None:
-        entry = self._extents[key]
-        entry[2] -= 1
-        if entry[2] == 0:
-            del self._extents[key]
-
-    def _cut_padding(self, fd: int, key: tuple[int, int]) -> None:
-        """On a successful write's completion: direct writes round the last sector up, so cut
-        the file back to the largest end the live writes of this file asked for (never below
-        bytes another of them wrote or is writing, nor below what the file held before the first
-        of them). _forget then drops the write from the count."""
-        with self._lock:
-            size_before, end, _ = self._extents[key]
-            if size_before <= end < os.fstat(fd).st_size:
-                os.ftruncate(fd, end)
-
     def _forget(self, h: IOHandle) -> None:
         with self._lock:
             self._live.discard(h)
             if h.write and h._file_key is not None:
-                self._release_write_locked(h._file_key)
+                _LIVE_WRITES.release(h._file_key)
                 h._file_key = None
 
     def synchronize(self) -> None:
