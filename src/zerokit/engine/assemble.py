@@ -61,7 +61,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     for index, unit in enumerate(units):
         unit.index = index
     # Before the optimizer is built: torch's optimizer steps only the device parts.
-    stepper, placement = _offload(units, placement, comm.device, dtype)
+    stepper, placement = _offload(units, placement, comm.device, dtype, recipe.kind)
     masters = [[u.master for u in units if u.trainable and u.group_index == g]
                for g in range(len(recipe.hyper))]
     torch_optimizer = build_optimizer(recipe, masters)
@@ -75,10 +75,15 @@ def initialize(model: nn.Module, optimizer: Any = None,
     return engine, torch_optimizer, dataloader, scheduler
 
 
-def _offload(units: list[Unit], placement: PlacementPolicy, device: torch.device, dtype: torch.dtype):
+def _offload(units: list[Unit], placement: PlacementPolicy, device: torch.device, dtype: torch.dtype,
+             optimizer_kind: str | None):
+    from zerokit.engine.host_budget import check_host_memory, plan_host_bytes
+
     if placement.params_on_host:
         from zerokit.engine.offload import place_weight_shards
 
+        check_host_memory(plan_host_bytes(units, placement, optimizer_kind, optimizer=False),
+                          placement)
         place_weight_shards(units, placement)
     if placement.auto:
         import dataclasses
@@ -94,6 +99,7 @@ def _offload(units: list[Unit], placement: PlacementPolicy, device: torch.device
     from zerokit.engine.host_step import HostStepper
     from zerokit.engine.offload import place_units
 
+    check_host_memory(plan_host_bytes(units, placement, optimizer_kind, weights=False), placement)
     return HostStepper(place_units(units, placement), placement), placement
 
 

@@ -25,6 +25,7 @@ class OptimizerRecipe:
     hyper: list[dict[str, Any]]  # per group, everything but "params"
     group_of: dict[int, int]  # id(param) -> group index
     build: OptimizerFactory
+    kind: str | None = None  # the optimizer's class name where known before it is built
 
 
 def _normalize_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -69,6 +70,7 @@ def recipe_from(model: nn.Module, optimizer: Any, model_parameters: Iterable[Any
         accepted = inspect.signature(cls.__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         build: OptimizerFactory = lambda gs: cls(gs, **defaults)  # noqa: E731
+        kind = cls.__name__
     else:
         groups = _normalize_groups(model_parameters if model_parameters is not None
                                    else model.parameters())
@@ -77,8 +79,10 @@ def recipe_from(model: nn.Module, optimizer: Any, model_parameters: Iterable[Any
                 raise ValueError("no optimizer: pass optimizer= to initialize() or set the config's "
                                  "'optimizer' section (type Adam, AdamW, SGD, Adagrad or Lion)")
             build = _config_optimizer(config_optimizer)
+            kind = config_optimizer.type
         elif callable(optimizer):
             build = optimizer  # a torch.optim class or a factory taking param groups
+            kind = optimizer.__name__ if isinstance(optimizer, type) else None
         else:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, a class or a callable "
                             f"(got {type(optimizer).__name__})")
@@ -91,7 +95,7 @@ def recipe_from(model: nn.Module, optimizer: Any, model_parameters: Iterable[Any
                                  f"{group_of[id(p)]} and {i}")
             group_of[id(p)] = i
         hyper.append({k: v for k, v in g.items() if k != "params"})
-    return OptimizerRecipe(hyper, group_of, build)
+    return OptimizerRecipe(hyper, group_of, build, kind)
 
 
 def build_optimizer(recipe: OptimizerRecipe, masters_by_group: list[list[torch.Tensor]]
