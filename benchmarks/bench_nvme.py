@@ -8,6 +8,8 @@ Fairness: the rows are interleaved (every row writes in turn, then every row rea
 that `--reps` times, each round starting one row later), so a slow or fast minute of the disk
 hits all rows alike; each row reports its best and its median. Every write is durable before its
 clock stops (fsync; fio end_fsync=1).
+Every read row but torch.load reads one common file written once before the rounds, so that
+a file's layout on disk (which depends on how it was written) is the same for every reader.
 Reads come from the disk: O_DIRECT bypasses the page cache (zerokit, fio, DeepSpeed), and the
 cache is dropped before every read anyway (root) for torch.load; the header says if it was not.
 Memory footprint: fio reads into and writes from block_size * iodepth bytes, reused; the ring row
@@ -34,8 +36,8 @@ import warnings
 import torch
 
 from _common import format_table, machine_info, summarize, write_json
-from zerokit.io import AioConfig, AsyncIO, BufferPool, aligned_empty, huge_pages
-from zerokit.io.stream import read_chunks
+from zerokit.io import AioConfig, AsyncIO, aligned_empty, huge_pages
+from zerokit.io.stream import read_chunks, ring_pool
 
 GiB = 1 << 30
 
@@ -67,28 +69,31 @@ class ZerokitRow:
         self.buf = torch.empty(nbytes, dtype=torch.uint8) if ordinary else aligned_empty(nbytes)
         self.buf.fill_(7)
         self.path, self.off = path, self.buf.data_ptr() % 4096
+        self.read_path = path  # throughput() points it at the common file
 
     def write(self) -> float:
         return timed(lambda: self.aio.write(self.path, self.buf, self.off, fsync=True).wait())
 
     def read(self) -> float:
-        return timed(lambda: self.aio.read(self.path, self.buf, self.off).wait())
+        return timed(lambda: self.aio.read(self.read_path, self.buf, self.off).wait())
 
     def close(self) -> None:
         self.aio.close()
 
 
 class RingRow:
-    """The engine with fio's memory footprint: the file streams through queue_depth *
-    thread_count buffers of one block, reused (zerokit.io.stream.read_chunks, the swapper's
-    NVMe -> host -> device path). Writes send the ring's bytes over and over, as fio does."""
+    """The engine with fio's memory footprint: the file streams through block_size *
+    queue_depth * thread_count bytes of buffers (zerokit.io.stream.ring_pool: buffers of two
+    blocks), reused, with read_chunks, the swapper's NVMe -> host -> device path. Writes send
+    the ring's bytes over and over, as fio does."""
 
     def __init__(self, cfg: AioConfig, path: str, nbytes: int):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             self.aio = AsyncIO(cfg, backend="linux-aio")
-        self.pool = BufferPool(cfg.block_size, cfg.queue_depth * cfg.thread_count, pin=False)
-        self.path, self.nbytes, self.block = path, nbytes, cfg.block_size
+        self.pool = ring_pool(cfg, pin=False)
+        self.path, self.nbytes, self.block = path, nbytes, self.pool.buffer_bytes
+        self.read_path = path
 
     def write(self) -> float:
         def write():
@@ -110,7 +115,7 @@ class RingRow:
 
     def read(self) -> float:
         def read():
-            for _ in read_chunks(self.aio, self.path, self.nbytes, self.pool):
+            for _ in read_chunks(self.aio, self.read_path, self.nbytes, self.pool):
                 pass
         return timed(read)
 
@@ -123,14 +128,15 @@ class FioRow:
     figure (bytes / I/O time, end_fsync included for writes) becomes a time for the table."""
 
     def __init__(self, cfg: AioConfig, path: str, nbytes: int):
-        self.nbytes, self.path = nbytes, path
-        self.cmd = ["fio", "--output-format=json", "--name=zk", f"--filename={path}", "--direct=1",
+        self.nbytes, self.path, self.read_path = nbytes, path, path
+        self.cmd = ["fio", "--output-format=json", "--name=zk", "--direct=1",
                     "--ioengine=libaio", f"--bs={cfg.block_size}",
                     f"--iodepth={cfg.queue_depth * cfg.thread_count}", f"--size={nbytes}",
                     "--numjobs=1"]
 
-    def _run(self, rw: str, extra: list[str]) -> float:
-        p = subprocess.run(self.cmd + [f"--rw={rw}"] + extra, capture_output=True, text=True)
+    def _run(self, rw: str, path: str, extra: list[str]) -> float:
+        p = subprocess.run(self.cmd + [f"--filename={path}", f"--rw={rw}"] + extra,
+                           capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"fio failed: {p.stderr}")
         job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0][rw]
@@ -139,10 +145,10 @@ class FioRow:
         return self.nbytes / job["bw_bytes"]
 
     def write(self) -> float:
-        return self._run("write", ["--end_fsync=1"])
+        return self._run("write", self.path, ["--end_fsync=1"])
 
     def read(self) -> float:
-        return self._run("read", [])
+        return self._run("read", self.read_path, [])
 
     def close(self) -> None:
         pass
@@ -151,7 +157,8 @@ class FioRow:
 class TorchSaveRow:
     def __init__(self, path: str, nbytes: int):
         self.t = torch.full((nbytes,), 7, dtype=torch.uint8)
-        self.path = path
+        self.path = self.read_path = path  # torch.load needs torch.save's format: its own file
+        self.own_file_reads = True
 
     def write(self) -> float:
         def save():
@@ -178,7 +185,7 @@ class DeepSpeedRow:
                                 cfg.overlap_events, cfg.thread_count)
         self.buf = self.h.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
         self.buf.fill_(7)
-        self.path = path
+        self.path = self.read_path = path
 
     def write(self) -> float:
         def write():
@@ -191,7 +198,7 @@ class DeepSpeedRow:
 
     def read(self) -> float:
         def read():
-            self.h.async_pread(self.buf, self.path)
+            self.h.async_pread(self.buf, self.read_path)
             self.h.wait()
         return timed(read)
 
@@ -212,22 +219,22 @@ class DeepSpeedRingRow(DeepSpeedRow):
         super().__init__(cfg, path, cfg.block_size * cfg.queue_depth * cfg.thread_count)
         self.nbytes = nbytes
 
-    def _each(self, op) -> None:
+    def _each(self, op, path: str) -> None:
         step = self.buf.numel()
         for off in range(0, self.nbytes, step):
-            op(self.buf[:min(step, self.nbytes - off)], self.path, off)
+            op(self.buf[:min(step, self.nbytes - off)], path, off)
             self.h.wait()
 
     def write(self) -> float:
         def write():
-            self._each(self.h.async_pwrite)
+            self._each(self.h.async_pwrite, self.path)
             fd = os.open(self.path, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
         return timed(write)
 
     def read(self) -> float:
-        return timed(lambda: self._each(self.h.async_pread))
+        return timed(lambda: self._each(self.h.async_pread, self.read_path))
 
 
 def make_rows(cfg: AioConfig, d: str, nbytes: int, skip: list[str]) -> dict[str, object]:
@@ -255,13 +262,32 @@ def make_rows(cfg: AioConfig, d: str, nbytes: int, skip: list[str]) -> dict[str,
     return rows
 
 
-def throughput(rows: dict[str, object], nbytes: int, reps: int) -> dict[str, dict]:
+def write_common(path: str, nbytes: int) -> None:
+    """A file of nbytes written front to back in 8 MiB pieces, then made durable."""
+    piece = os.urandom(8 << 20)
+    with open(path, "wb") as f:
+        for off in range(0, nbytes, len(piece)):
+            f.write(piece[:min(len(piece), nbytes - off)])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def throughput(rows: dict[str, object], nbytes: int, reps: int, common: str) -> dict[str, dict]:
     """Interleaved: all rows write, then all rows read, reps times. Round r starts at row r
     (rotation): the disk under this VM is a host file whose cache favours recently written
     files, so a fixed order would favour fixed rows. Even rounds write into a fresh file, odd
-    rounds overwrite: every row gets both."""
+    rounds overwrite: every row gets both.
+    Every row but torch.load reads one common file, written once before the rounds in one
+    sequential pass: here a file's layout, which depends on how it was written, moved a reader
+    by 2x (DeepSpeed's 8 MiB calls: 1.4 GB/s on a file zerokit wrote, 2.5 on its own), and a
+    read row should measure the reader. The extra 4096 bytes serve the ordinary tensor's
+    offset."""
+    write_common(common, nbytes + 4096)
     gbps: dict[str, dict[str, list[float]]] = {n: {"write": [], "read": []} for n in rows}
     names = [n for n, r in rows.items() if not isinstance(r, str)]
+    for name in names:
+        if not getattr(rows[name], "own_file_reads", False):
+            rows[name].read_path = common
     for rep in range(reps):
         k = rep % len(names)
         live = {n: rows[n] for n in names[k:] + names[:k]}
@@ -313,7 +339,7 @@ class StreamLoad:
         self.off = self.buf.data_ptr() % 4096  # as the swapper places an ordinary tensor
         self.aio.write(self.path, self.buf, self.off).wait()
         if kind.endswith("ring"):
-            self.pool = BufferPool(cfg.block_size, cfg.queue_depth * cfg.thread_count, pin=False)
+            self.pool = ring_pool(cfg, pin=False)
 
     def _fio_cmd(self, rw: str, time_based: bool = True) -> list[str]:
         return (["fio", "--output-format=json", "--name=load", f"--filename={self.path}",
@@ -450,7 +476,7 @@ def main() -> None:
         auto_backend = AsyncIO(cfg).backend
     rows = make_rows(cfg, d, nbytes, args.skip)
     try:
-        gbps = throughput(rows, nbytes, args.reps)
+        gbps = throughput(rows, nbytes, args.reps, os.path.join(d, "common.bin"))
         kinds = ["none", "linux-aio", "linux-aio ring", "linux-aio ordinary", "psync-threads"]
         if isinstance(rows.get("fio libaio O_DIRECT (raw disk)"), FioRow):
             kinds.append("fio")
@@ -462,7 +488,8 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
 
     print(f"\nNVMe I/O, {nbytes / GiB:.2f} GiB, block {cfg.block_size >> 10} KiB, queue depth "
-          f"{cfg.queue_depth} x {cfg.thread_count} thread(s) for every row; backend 'auto' "
+          f"{cfg.queue_depth} x {cfg.thread_count} thread(s) for every row; reads of one common "
+          f"file (torch.load: its own); backend 'auto' "
           f"here: {auto_backend}; {args.reps} interleaved rounds; page cache dropped before "
           f"reads: {'yes' if cache_dropped else 'NO (not root): torch.load may hit the cache'}; "
           f"THP {huge_pages.thp_mode()} (zerokit's aligned buffers ask for huge pages, an "

@@ -27,7 +27,7 @@ import torch
 
 from zerokit.io.aio import AioConfig, AioError, AsyncIO, IOHandle
 from zerokit.io.buffers import ALIGN, BufferPool, aligned_empty, pin_default
-from zerokit.io.stream import read_chunks
+from zerokit.io.stream import read_chunks, ring_pool
 
 
 @dataclasses.dataclass
@@ -238,7 +238,7 @@ class TensorSwapper:
         ring's size whatever the tensor's: this is how swap_in fills a device tensor (NVMe ->
         host -> device, pipelined), and how an optimizer can walk a state larger than memory.
         The ring is the swapper's pool when its buffers hold an aio block, else
-        queue_depth * thread_count buffers of one block, made on first use."""
+        stream.ring_pool's (queue_depth * thread_count blocks), made on first use."""
         self._settle(key)
         with self._lock:
             e = self._get(key)
@@ -259,8 +259,7 @@ class TensorSwapper:
             return self.pool
         with self._lock:
             if self._ring is None:
-                c = self.aio.config
-                self._ring = BufferPool(block, c.queue_depth * c.thread_count)
+                self._ring = ring_pool(self.aio.config)
             return self._ring
 
     def _release(self, pf: tuple[torch.Tensor, IOHandle | None]) -> None:
