@@ -178,17 +178,16 @@ def save_shard_file(path: str, tensors: list[tuple[str, "torch.Tensor | Parts"]]
             offset += p.numel() * p.element_size()
     size = len(prefix) + data_bytes
     try:
-        # A fresh file at its final size before any write: AsyncIO cuts a write's sector rounding
-        # back to its end only when the write extended the file, which with several writes in
-        # flight would cut off the ones after it. Reserving the extent also makes a full disk one
-        # early ENOSPC.
+        # A fresh file at its final size before any write: one extent for the parallel direct
+        # writes, and a full disk is one early ENOSPC. Pieces meeting inside a sector are safe
+        # in flight together: the engine read-modify-writes a shared sector under a lock.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _reserve(fd, size)
         finally:
             os.close(fd)
         with AsyncIO() as aio:
-            handles = [aio.write(path, t, at) for at, t in _disjoint_sectors(pieces, size)]
+            handles = [aio.write(path, t, at) for at, t in pieces]
             for h in handles:
                 h.wait()
         fd = os.open(path, os.O_RDONLY)
@@ -199,37 +198,6 @@ def save_shard_file(path: str, tensors: list[tuple[str, "torch.Tensor | Parts"]]
     except OSError as e:
         raise write_error(path, e) from e
     return size
-
-
-_SECTOR = 4096
-
-
-def _disjoint_sectors(pieces: list[tuple[int, torch.Tensor]], size: int) -> list[tuple[int, torch.Tensor]]:
-    """The same bytes as `pieces` (file offset, uint8 tensor; back to back from 0 to `size`) as
-    writes that share no 4 KiB sector. An O_DIRECT write of a partial sector reads the sector,
-    patches its part and writes it back; two such writes of one sector in flight at once lose one
-    part (measured: a shard file's header came back as zeros). So each piece writes the whole
-    sectors inside it, and every sector where pieces meet is assembled here and written once."""
-    writes: list[tuple[int, torch.Tensor]] = []
-    shared: dict[int, bytearray] = {}
-    for start, data in pieces:
-        end = start + data.numel()
-        a, b = -(-start // _SECTOR) * _SECTOR, end // _SECTOR * _SECTOR
-        if a < b:
-            writes.append((a, data[a - start:b - start]))
-            edges = [(start, a), (b, end)]
-        else:
-            edges = [(start, end)]
-        for lo, hi in edges:
-            pos = lo
-            while pos < hi:
-                sector = pos // _SECTOR * _SECTOR
-                stop = min(hi, sector + _SECTOR)
-                buf = shared.setdefault(sector, bytearray(min(_SECTOR, size - sector)))
-                buf[pos - sector:stop - sector] = data[pos - start:stop - start].numpy().tobytes()
-                pos = stop
-    writes += [(sector, torch.frombuffer(buf, dtype=torch.uint8)) for sector, buf in shared.items()]
-    return writes
 
 
 def _reserve(fd: int, size: int) -> None:
