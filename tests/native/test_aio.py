@@ -307,3 +307,31 @@ def test_concurrent_writes_sharing_edge_sectors_keep_every_byte(tmp_path, backen
                 pytest.fail(f"round {r}: {bad.numel()} bytes lost, the first at offset "
                             f"{int(bad[0])}")
         assert os.path.getsize(path) == size
+
+
+@pytest.mark.parametrize("bad_block", [0, 5, 19])
+def test_a_failed_block_of_a_long_request_fails_it_without_hanging(aio, tmp_path, bad_block):
+    """The blocks after a failure skip their I/O. Under linux-aio they used to take no slot and
+    leave nothing in flight to wake the submitter, so a request of more blocks than the queue
+    depth whose early block failed never finished (found by a test of streamed checksums)."""
+    import threading
+
+    n = 20 * BS + 68  # 21 blocks, 8 in flight at most
+    path = str(tmp_path / "f")
+    h = aio.write(path, _rand(n), 0, checksums=True)
+    h.wait()
+    bad = [c ^ 1 if i == bad_block else c for i, c in enumerate(h.checksums)]
+    result = []
+
+    def read():
+        try:
+            aio.read(path, aligned_empty(n), 0, expected_checksums=bad).wait()
+            result.append(None)
+        except ChecksumError as e:
+            result.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    assert not reader.is_alive(), "the read never finished"
+    assert isinstance(result[0], ChecksumError) and result[0].offset == bad_block * BS

@@ -63,10 +63,12 @@ void KernelAio::enqueue(std::vector<Block>&& blocks) {
   wake();
 }
 
-// Moves queued blocks into free slots and prepares their iocbs; returns how many.
+// Moves queued blocks into free slots and prepares their iocbs; returns how many. Blocks of a
+// request that already failed are finished without I/O (`skipped`): they take no slot.
 int KernelAio::fill_slots(std::vector<int>& free_slots, std::vector<struct iocb*>& batch,
-                          bool& stopping) {
+                          bool& stopping, bool& skipped) {
   batch.clear();
+  skipped = false;
   std::vector<Block> taken;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -80,6 +82,7 @@ int KernelAio::fill_slots(std::vector<int>& free_slots, std::vector<struct iocb*
     Request& r = *b.req;
     if (r.failed()) {  // spend no disk time on a request that already failed
       r.finish_block(0, b.off, 0, 0);
+      skipped = true;
       continue;
     }
     if (r.write) checksum_before_write(b);
@@ -166,9 +169,13 @@ void KernelAio::loop() {
   std::vector<struct io_event> events(static_cast<size_t>(depth_));
   int inflight = 0;
   for (;;) {
-    bool stopping = false;
-    if (fill_slots(free_slots, batch, stopping) > 0) inflight += submit_batch(batch, free_slots);
+    bool stopping = false, skipped = false;
+    if (fill_slots(free_slots, batch, stopping, skipped) > 0)
+      inflight += submit_batch(batch, free_slots);
     if (inflight == 0 && stopping) break;
+    // Skipped blocks freed no slot and nothing is in flight to wake us: the queue may still
+    // hold blocks (the rest of a failed request, or other requests), so look again.
+    if (inflight == 0 && skipped) continue;
     // Sleep until a completion or an enqueue bumps the counter; several coalesce into one wake.
     uint64_t count;
     while (::read(event_fd_, &count, sizeof count) < 0 && errno == EINTR) {

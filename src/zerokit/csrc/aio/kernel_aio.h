@@ -38,7 +38,8 @@ class KernelAio {
   };
   void loop();
   void wake();
-  int fill_slots(std::vector<int>& free_slots, std::vector<struct iocb*>& batch, bool& stopping);
+  int fill_slots(std::vector<int>& free_slots, std::vector<struct iocb*>& batch, bool& stopping,
+                 bool& skipped);
   int submit_batch(std::vector<struct iocb*>& batch, std::vector<int>& free_slots);
   void complete(Slot& s, int64_t res);
 
