@@ -14,7 +14,8 @@ are block_size * iodepth bytes, reused.
 from __future__ import annotations
 
 import collections
-from typing import Iterator
+import os
+from typing import Callable, Iterator
 
 import torch
 
@@ -41,6 +42,22 @@ def chunk_bytes(aio: AsyncIO, pool: BufferPool) -> int:
     return pool.buffer_bytes // block * block
 
 
+def _chunk_starts(offset: int, nbytes: int, chunk: int) -> list[int]:
+    """Where each chunk of [offset, offset + nbytes) starts: at offset, then on chunk multiples
+    of the file (block boundaries, so per-block checksums split cleanly between chunks)."""
+    return [offset] + list(range((offset // chunk + 1) * chunk, offset + nbytes, chunk))
+
+
+def _lease(pool: BufferPool, start: int, busy: bool) -> torch.Tensor | None:
+    """A buffer for the chunk at `start` (same residue, so O_DIRECT takes it as it is). Blocks
+    only when the caller has nothing in flight: otherwise a pool shared with other users just
+    means a shallower ring, never a wait on ourselves (None: finish one of yours first)."""
+    try:
+        return pool.acquire(residue=start % ALIGN, timeout=0 if busy else None)
+    except TimeoutError:
+        return None
+
+
 def read_chunks(aio: AsyncIO, path: str, nbytes: int, pool: BufferPool, *, offset: int = 0,
                 expected_checksums: list[int] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """Yields (position, buffer) for bytes [offset, offset + nbytes) of path, in order: buffer
@@ -54,7 +71,7 @@ def read_chunks(aio: AsyncIO, path: str, nbytes: int, pool: BufferPool, *, offse
     chunk = chunk_bytes(aio, pool)
     block = aio.config.block_size
     end = offset + nbytes
-    starts = [offset] + list(range((offset // chunk + 1) * chunk, end, chunk))
+    starts = _chunk_starts(offset, nbytes, chunk)
     in_flight: collections.deque[tuple[int, torch.Tensor, IOHandle]] = collections.deque()
 
     def submit(start: int, buf: torch.Tensor) -> None:
@@ -71,20 +88,12 @@ def read_chunks(aio: AsyncIO, path: str, nbytes: int, pool: BufferPool, *, offse
             raise
         in_flight.append((start, view, h))
 
-    def try_acquire(start: int) -> torch.Tensor | None:
-        # Block for a buffer only when nothing of ours is in flight: otherwise a pool shared
-        # with other users just means a shallower ring, never a wait on ourselves.
-        try:
-            return pool.acquire(residue=start % ALIGN, timeout=None if not in_flight else 0)
-        except TimeoutError:
-            return None
-
     pending = iter(starts)
     next_start = next(pending, None)
     try:
         while next_start is not None or in_flight:
             while next_start is not None and len(in_flight) < pool.capacity:
-                buf = try_acquire(next_start)
+                buf = _lease(pool, next_start, bool(in_flight))
                 if buf is None:
                     break
                 submit(next_start, buf)
@@ -106,3 +115,79 @@ def read_chunks(aio: AsyncIO, path: str, nbytes: int, pool: BufferPool, *, offse
             except AioError:
                 pass
             pool.release(view)
+
+
+class CompletedWrite:
+    """What write_chunks returns: the write is done; wait() and done() as on an IOHandle."""
+
+    def __init__(self, path: str, nbytes: int, checksums: list[int] | None):
+        self.path, self.nbytes, self.checksums = path, nbytes, checksums
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> int:
+        return self.nbytes
+
+
+def write_chunks(aio: AsyncIO, path: str, nbytes: int, pool: BufferPool,
+                 fill: Callable[[int, torch.Tensor], None], *, offset: int = 0,
+                 checksums: bool = False, fsync: bool = False) -> CompletedWrite:
+    """Writes bytes [offset, offset + nbytes) of path through the pool's buffers, the
+    counterpart of read_chunks: fill(position, buffer) puts the bytes from offset + position
+    into buffer (a device -> host copy, say) while the chunks before it are being written.
+    Returns once every byte is written (durable with fsync), with one checksum per block of the
+    whole range when asked. A failure, of a write or of fill, raises after the writes in flight
+    are drained; every buffer goes back to the pool."""
+    chunk = chunk_bytes(aio, pool)
+    end = offset + nbytes
+    in_flight: collections.deque[tuple[torch.Tensor, IOHandle]] = collections.deque()
+    crcs: list[int] = []
+
+    def finish_oldest() -> None:
+        view, h = in_flight.popleft()
+        try:
+            h.wait()
+        finally:
+            pool.release(view)
+        if checksums:
+            crcs.extend(h.checksums)
+
+    if nbytes <= 0:  # the file exists afterwards, as after an empty AsyncIO.write
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        except OSError as e:
+            raise AioError(e.errno, "opening", path) from None
+        return CompletedWrite(path, 0, [] if checksums else None)
+    try:
+        for start in _chunk_starts(offset, nbytes, chunk):
+            buf = _lease(pool, start, bool(in_flight))
+            while buf is None:
+                finish_oldest()
+                buf = _lease(pool, start, bool(in_flight))
+            view = buf[:min(end, (start // chunk + 1) * chunk) - start]
+            try:
+                fill(start - offset, view)
+                h = aio.write(path, view, start, checksums=checksums)
+            except BaseException:
+                pool.release(view)
+                raise
+            in_flight.append((view, h))
+        while in_flight:
+            finish_oldest()
+    finally:
+        for view, h in in_flight:
+            try:
+                h.wait()
+            except AioError:
+                pass
+            pool.release(view)
+    if fsync:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise AioError(e.errno, "syncing", path) from None
+        finally:
+            os.close(fd)
+    return CompletedWrite(path, nbytes, crcs if checksums else None)

@@ -27,7 +27,7 @@ import torch
 
 from zerokit.io.aio import AioConfig, AioError, AsyncIO, IOHandle
 from zerokit.io.buffers import ALIGN, BufferPool, aligned_empty, pin_default
-from zerokit.io.stream import read_chunks, ring_pool
+from zerokit.io.stream import CompletedWrite, read_chunks, ring_pool, write_chunks
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ class _Entry:
     pad: int
     checksums: list[int] | None = None
     writing: IOHandle | None = None
-    staged: torch.Tensor | None = None  # host copy of a device tensor, alive during the write
+    staged: torch.Tensor | None = None  # contiguous copy of a strided tensor, alive while written
     prefetch: tuple[torch.Tensor, IOHandle] | None = None
 
 
@@ -106,20 +106,17 @@ class TensorSwapper:
         self._disk_bytes -= e.pad + e.nbytes
 
     # -- out -----------------------------------------------------------------------------------
-    def swap_out(self, key: str, tensor: torch.Tensor, *, wait: bool = False) -> IOHandle:
+    def swap_out(self, key: str, tensor: torch.Tensor, *, wait: bool = False
+                 ) -> IOHandle | CompletedWrite:
         """Starts writing the tensor under key; do not modify it until the handle is waited.
-        A device tensor is copied to host first."""
+        A device tensor goes out through the staging ring and is written when this returns."""
         if self._closed:
             raise RuntimeError(f"TensorSwapper at {self.directory!r} is closed")
         self._settle(key)
-        staged = None
         if tensor.device.type != "cpu":
-            staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin_default())
-            staged.copy_(tensor)
-            src = staged
-        else:
-            src = tensor.contiguous()
-            staged = src if src is not tensor else None
+            return self._swap_out_streamed(key, tensor.contiguous())
+        src = tensor.contiguous()
+        staged = src if src is not tensor else None
         nbytes = src.numel() * src.element_size()
         e = _Entry(self._new_path(key), src.shape, src.dtype, nbytes, src.data_ptr() % ALIGN,
                    staged=staged)
@@ -139,7 +136,29 @@ class TensorSwapper:
             self._settle(key)
         return h
 
-    def _write_done(self, key: str, e: _Entry, h: IOHandle | None, err: AioError | None) -> None:
+    def _swap_out_streamed(self, key: str, tensor: torch.Tensor) -> CompletedWrite:
+        """Device -> host copies of one piece overlap the writes of the pieces before it, and
+        host memory stays at the ring's size whatever the tensor's (no whole pinned copy)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        flat = tensor.view(-1).view(torch.uint8) if nbytes else None
+        e = _Entry(self._new_path(key), tensor.shape, tensor.dtype, nbytes, 0)
+        with self._lock:
+            self._pending[key] = e
+            self._disk_bytes += nbytes
+        try:
+            done = write_chunks(self.aio, e.path, nbytes, self._staging_ring(),
+                                lambda pos, buf: buf.copy_(flat[pos:pos + buf.numel()]),
+                                checksums=self.checksums, fsync=self.fsync)
+        except BaseException as err:
+            self._write_done(key, e, None, err)
+            if isinstance(err, AioError):
+                raise err.with_key(key) from None
+            raise
+        self._write_done(key, e, done, None)
+        return done
+
+    def _write_done(self, key: str, e: _Entry, h: IOHandle | CompletedWrite | None,
+                    err: BaseException | None) -> None:
         with self._lock:
             if self._pending.get(key) is e:
                 del self._pending[key]
