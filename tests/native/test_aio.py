@@ -267,7 +267,7 @@ def test_concurrent_extending_writes_keep_each_others_bytes(aio, tmp_path, b_off
     got = torch.empty(end, dtype=torch.uint8)
     aio.read(path, got).wait()
     assert torch.equal(got, expect)
-    assert not aio._extents  # the last live write of the file dropped its entry
+    assert not aio_mod._LIVE_WRITES.files  # the last live write of the file dropped its entry
     if other is not aio:
         other.close()
 

@@ -288,7 +288,6 @@ class AsyncIO:
         self.checksum_algorithm = "crc32c" if use_native else _fallback.CHECKSUM_ALGORITHM
         self._direct_ok = c.use_direct and use_native and hasattr(os, "O_DIRECT")
         self._live: set[IOHandle] = set()
-        self._extents = _LIVE_WRITES.files  # process-wide: other engines may write the file
         self._lock = threading.Lock()
 
     def block_counts(self) -> dict[str, int]:
