@@ -81,11 +81,13 @@ def reference_train(make_model: Callable[[], nn.Module], make_optimizer: Callabl
     return losses, {k: v.detach().float().clone() for k, v in master.named_parameters()}
 
 
-def engine_train(engine, batches, rank: int, world: int, gas: int = 1) -> list[float]:
+def engine_train(engine, batches, rank: int, world: int, gas: int = 1,
+                 after_step=None) -> list[float]:
     """The zerokit side of a parity test: each global batch as `gas` micro-steps of this rank's
-    rows; returns each step's loss averaged over ranks, comparable with reference_train's."""
+    rows; returns each step's loss averaged over ranks, comparable with reference_train's.
+    after_step(i), if given, runs after global step i (a test's per-step check)."""
     losses = []
-    for batch in batches:
+    for i, batch in enumerate(batches):
         step_loss = 0.0
         for micro in range(gas):
             x, y = rank_micro_batch(batch, rank, world, micro, gas)
@@ -93,6 +95,8 @@ def engine_train(engine, batches, rank: int, world: int, gas: int = 1) -> list[f
             engine.backward(loss)
             engine.step()
             step_loss += loss.item() / gas
+        if after_step is not None:
+            after_step(i)
         t = torch.tensor([step_loss])
         if world > 1:
             torch.distributed.all_reduce(t)

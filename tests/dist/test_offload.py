@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import run_world
-from reference import global_batches, rank_micro_batch, tiny_gpt
+from reference import engine_train, global_batches, tiny_gpt
 
 STEPS, MICRO, LR = 4, 2, 1e-3
 OPT = {"AdamW": {"lr": LR, "weight_decay": 0.1}, "Adagrad": {"lr": 1e-2, "weight_decay": 0.01},
@@ -58,21 +58,13 @@ def _train(rank, world, cfg, steps=STEPS, gas=1, user_adam=False, check_delay_af
     model = tiny_gpt()
     opt = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=0.01) if user_adam else None
     engine, _, _, _ = zerokit.initialize(model=model, optimizer=opt, config=cfg)
-    losses = []
-    for i, batch in enumerate(global_batches(steps, MICRO * world * gas)):
-        total = 0.0
-        for micro in range(gas):
-            x, y = rank_micro_batch(batch, rank, world, micro, gas)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / gas
+
+    def delay_still_running(i: int) -> None:
         if check_delay_after is not None and i >= check_delay_after:
             assert engine.offload._worker is not None, "the delayed host update was joined in step()"
-        t = torch.tensor([total])
-        if world > 1:
-            torch.distributed.all_reduce(t)
-        losses.append(t.item() / world)
+
+    losses = engine_train(engine, global_batches(steps, MICRO * world * gas), rank, world, gas,
+                          after_step=delay_still_running)
     out = (losses, engine.consolidated_fp32_state_dict(), _ledger(engine))
     engine.destroy()
     return out
