@@ -23,11 +23,28 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from zerokit.core.devices import ExistingGroup, choose_device, launched
+
 HEARTBEAT_S = 1.0
 
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the rank, the call and the unit."""
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _current_cuda_index() -> int:
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def _existing_group() -> ExistingGroup | None:
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    return ExistingGroup(dist.get_backend(), bound.index if bound is not None else None)
 
 
 def _destroy_group() -> None:
@@ -72,27 +89,24 @@ class Comm:
 
     # ---- set-up -------------------------------------------------------------------------------
     @classmethod
-    def from_environment(cls, timeout_s: float) -> "Comm":
-        """Join the process group torchrun describes (or reuse one), or run alone."""
-        if not dist.is_available():
-            return cls(timeout_s=timeout_s)
-        if not dist.is_initialized():
-            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-                return cls(timeout_s=timeout_s)  # world size 1 without a launcher
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            kwargs = {}
-            if backend == "nccl":
-                kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    def from_environment(cls, timeout_s: float, model_device: torch.device | None = None) -> "Comm":
+        """Join the process group torchrun describes (or reuse one), or run alone; on the device
+        `devices.choose_device` picks, made current before the group or any tensor exists."""
+        group = _existing_group()
+        env = os.environ if dist.is_available() else {}
+        device = choose_device(env, _cuda_count(), model_device, group, _current_cuda_index)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if group is None:
+            if not launched(env):
+                return cls(timeout_s=timeout_s, device=device)  # world size 1 without a launcher
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            kwargs = {"device_id": device} if backend == "nccl" else {}
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
             # A process group still alive at interpreter exit makes gloo abort ("terminate called
             # without an active exception"): the group zerokit created, zerokit destroys.
             atexit.register(_destroy_group)
-        backend = dist.get_backend()
-        if backend == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device("cpu")
-        comm = cls(dist.get_rank(), dist.get_world_size(), backend, device, timeout_s)
+        comm = cls(dist.get_rank(), dist.get_world_size(), dist.get_backend(), device, timeout_s)
         comm._start_heartbeat()
         return comm
 

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from zerokit.config import load_config
 from zerokit.core.collectives import Comm
+from zerokit.core.devices import model_device_of
 from zerokit.core.unit import Unit
 from zerokit.core.wrap import group_parameters, select_modules
 from zerokit.engine.engine import Engine
@@ -31,7 +32,9 @@ def initialize(model: nn.Module, optimizer: Any = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (got {type(model).__name__})")
     cfg = load_config(config if config is not None else config_params)
-    comm = Comm.from_environment(cfg.comm_timeout_s)
+    # Before anything allocates: under a launcher each rank's GPU is its LOCAL_RANK; alone on a
+    # CUDA machine, the GPU the model is on (else cuda:0); see core/devices.py.
+    comm = Comm.from_environment(cfg.comm_timeout_s, model_device_of(model))
     batch = cfg.resolve_batch(comm.world_size)
     policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
     placement = PlacementPolicy.from_config(cfg.zero_optimization)

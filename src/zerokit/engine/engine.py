@@ -298,6 +298,11 @@ class Engine(nn.Module):
                                load_module_only=load_module_only)
 
     # ---- introspection ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes (cuda:LOCAL_RANK under torchrun): move each batch here."""
+        return self.comm.device
+
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 
