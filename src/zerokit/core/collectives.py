@@ -8,7 +8,9 @@ Every collective goes through `Comm`, which
   across 2 ranks: isend/irecv 6.0 ms, all_reduce 13.2 ms, all_gather_into_tensor 14.0 ms;
   gloo has no reduce_scatter_tensor fast path either); on NCCL the native collectives are used;
 - turns a failure (a dead peer, a timeout) into a `CollectiveError` that says which collective,
-  for which unit, and which rank stopped heart-beating, instead of a bare backend error or a hang.
+  for which unit, and which rank stopped heart-beating, instead of a bare backend error or a hang;
+- checks that every rank issues the same collective for the same unit, without a blocking read
+  per collective (see [Note: rank agreement] in core/agreement.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from zerokit.core.agreement import (OPS, HeaderedExchanges, LaggedChecks, Signature,
+                                    describe_divergence)
 from zerokit.core.devices import ExistingGroup, choose_device, launched
 
 HEARTBEAT_S = 1.0
@@ -70,6 +74,8 @@ class Handle:
         try:
             if self.work is not None:
                 self.work.wait()
+        except CollectiveError:
+            raise  # already says what went wrong (ranks diverged)
         except Exception as e:  # backend errors are RuntimeError / DistBackendError subclasses
             raise self.describe(e) from e
         if self.finish is not None:
@@ -86,6 +92,8 @@ class Comm:
     timeout_s: float = 1800.0
     _store: object | None = None
     _beat_stop: threading.Event = field(default_factory=threading.Event)
+    unit_names: list[str] = field(default_factory=list)  # by unit index, for divergence errors
+    agreement: HeaderedExchanges | LaggedChecks | None = None  # see [Note: rank agreement]
 
     # ---- set-up -------------------------------------------------------------------------------
     @classmethod
@@ -108,7 +116,30 @@ class Comm:
             atexit.register(_destroy_group)
         comm = cls(dist.get_rank(), dist.get_world_size(), dist.get_backend(), device, timeout_s)
         comm._start_heartbeat()
+        comm._start_agreement()
         return comm
+
+    def _start_agreement(self, kind: str | None = None) -> None:
+        """kind: "headers" (gloo's default) or "lagged" (NCCL's; tests run it on gloo too)."""
+        if self.world_size == 1:
+            return
+        kind = kind or ("headers" if self.backend == "gloo" else "lagged")
+        if kind == "headers":
+            self.agreement = HeaderedExchanges(self.rank, self._peers(), self._diverged)
+        else:
+            self.agreement = LaggedChecks(self.device, lambda mine, where, theirs:
+                                          self._diverged(mine, where, theirs, None))
+
+    def _diverged(self, mine: Signature, where: str, theirs: Signature, peer: int | None) -> None:
+        who = f"rank {peer}" if peer is not None else "another rank"
+        raise CollectiveError(describe_divergence(self.rank, self.world_size, mine, where, theirs,
+                                                  who, self.unit_names))
+
+    def settle_agreement(self) -> None:
+        """Verify every collective issued so far agrees across ranks (blocking): the engine calls
+        it where it synchronises anyway, before a step applies what the collectives produced."""
+        if self.agreement is not None:
+            self._guarded("rank agreement", "the collectives issued so far", self.agreement.settle)
 
     def _start_heartbeat(self) -> None:
         """Each rank stamps the store every second, so a failure can name the rank that died."""
@@ -165,30 +196,64 @@ class Comm:
                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
         return describe
 
+    def _guarded(self, op: str, where: str, call: Callable[[], object]) -> object:
+        try:
+            return call()
+        except CollectiveError:
+            raise
+        except Exception as e:
+            raise self._describer(op, where)(e) from e
+
     def _run(self, op: str, where: str, call: Callable[[], object | None],
              finish: Callable[[], None] | None, async_op: bool) -> Handle:
+        """Issue a collective no signature travels with, after every deferred exchange was
+        posted (gloo pairs collectives in issue order, which deferral must not change)."""
+        if isinstance(self.agreement, HeaderedExchanges):
+            self._guarded(op, where, self.agreement.settle)
+        return self._launch(op, where, call, finish, async_op)
+
+    def _launch(self, op: str, where: str, call: Callable[[], object | None],
+                finish: Callable[[], None] | None, async_op: bool) -> Handle:
         describe = self._describer(op, where)
-        try:
-            work = call()
-        except Exception as e:
-            raise describe(e) from e
+        work = self._guarded(op, where, call)
         handle = Handle(work, finish, describe)
         if not async_op:
             handle.wait()
         return handle
 
+    def _agreed(self, op: str, where: str, unit: int, nbytes: int, call: Callable[[], object | None],
+                finish: Callable[[], None] | None, async_op: bool) -> Handle:
+        """Issue a collective whose signature (op, unit, bytes) every rank checks: see
+        [Note: rank agreement]. gloo posts `call` once the peers' headers matched."""
+        sig = Signature(OPS[op], unit, nbytes)
+        if isinstance(self.agreement, HeaderedExchanges):
+            exchanges = self.agreement
+            entry = self._guarded(op, where, lambda: exchanges.submit(sig, where, call))
+            handle = Handle(_Deferred(exchanges, entry), finish, self._describer(op, where))
+            if not async_op:
+                handle.wait()
+            return handle
+        if isinstance(self.agreement, LaggedChecks):
+            self._guarded(op, where, lambda: self.agreement.launch(sig, where))
+        return self._launch(op, where, call, finish, async_op)
+
     # ---- collectives --------------------------------------------------------------------------
     def all_reduce_(self, t: torch.Tensor, where: str, *, average: bool = False,
-                    op: "dist.ReduceOp.RedOpType | None" = None, async_op: bool = False) -> Handle:
+                    op: "dist.ReduceOp.RedOpType | None" = None, async_op: bool = False,
+                    unit: int | None = None) -> Handle:
+        """In place. With `unit`, ranks check they reduce the same unit (rank agreement)."""
         if self.world_size == 1:
             return Handle(None, None, self._describer("all_reduce", where), done=True)
         red = op if op is not None else dist.ReduceOp.SUM
         finish = (lambda: t.div_(self.world_size)) if average else None
-        return self._run("all_reduce", where, lambda: dist.all_reduce(t, red, async_op=True),
-                         finish, async_op)
+        call = lambda: dist.all_reduce(t, red, async_op=True)  # noqa: E731
+        if unit is None:
+            return self._run("all_reduce", where, call, finish, async_op)
+        return self._agreed("all_reduce", where, unit, t.numel() * t.element_size(), call, finish,
+                            async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, where: str, *,
-                       average: bool = True, async_op: bool = False) -> Handle:
+                       average: bool = True, async_op: bool = False, unit: int = -1) -> Handle:
         """out (numel = full.numel() / world) <- this rank's slice of the sum (mean) of `full`.
 
         `full` is either flat or a (world_size, n) view whose rows are each contiguous (a column
@@ -203,14 +268,16 @@ class Comm:
         if self.world_size == 1:
             out.copy_(rows[0].view_as(out))
             return Handle(None, None, self._describer("reduce_scatter", where), done=True)
+        nbytes = full.numel() * full.element_size()
         if self.backend == "gloo":
-            return self._exchange_reduce(out, rows, scale, where, async_op)
+            return self._exchange_reduce(out, rows, scale, where, async_op, unit, nbytes)
         flat = full if full.dim() == 1 else rows.contiguous().view(-1)
-        return self._run("reduce_scatter", where,
-                         lambda: dist.reduce_scatter_tensor(out, flat, async_op=True),
-                         (lambda: out.mul_(scale)) if scale != 1.0 else None, async_op)
+        return self._agreed("reduce_scatter", where, unit, nbytes,
+                            lambda: dist.reduce_scatter_tensor(out, flat, async_op=True),
+                            (lambda: out.mul_(scale)) if scale != 1.0 else None, async_op)
 
-    def all_gather(self, full: torch.Tensor, where: str, *, async_op: bool = False) -> Handle:
+    def all_gather(self, full: torch.Tensor, where: str, *, async_op: bool = False,
+                   unit: int = -1) -> Handle:
         """Every rank's slice r of `full` (already filled locally) becomes visible to all ranks."""
         if self.world_size == 1:
             return Handle(None, None, self._describer("all_gather", where), done=True)
@@ -223,10 +290,11 @@ class Comm:
                     works.append(dist.isend(rows[self.rank], peer))
                     works.append(dist.irecv(rows[peer], peer))
                 return _Works(works)
-            return self._run("all_gather", where, exchange, None, async_op)
-        return self._run("all_gather", where,
-                         lambda: dist.all_gather_into_tensor(full, rows[self.rank], async_op=True),
-                         None, async_op)
+        else:
+            def exchange() -> object:
+                return dist.all_gather_into_tensor(full, rows[self.rank], async_op=True)
+        return self._agreed("all_gather", where, unit, full.numel() * full.element_size(),
+                            exchange, None, async_op)
 
     # ---- gloo point-to-point --------------------------------------------------------------------
     # Every rank issues its sends and receives in the same program order, and gloo matches
@@ -235,7 +303,7 @@ class Comm:
         return [p for p in range(self.world_size) if p != self.rank]
 
     def _exchange_reduce(self, out: torch.Tensor, rows: torch.Tensor, scale: float, where: str,
-                         async_op: bool) -> Handle:
+                         async_op: bool, unit: int, nbytes: int) -> Handle:
         """Reduce-scatter as a direct exchange: row p goes to rank p, our row comes from each."""
         received = torch.empty((self.world_size, rows.shape[1]), dtype=rows.dtype, device=rows.device)
 
@@ -252,7 +320,7 @@ class Comm:
             torch.sum(received, dim=0, out=out.view(-1))
             if scale != 1.0:
                 out.mul_(scale)
-        return self._run("reduce_scatter", where, exchange, finish, async_op)
+        return self._agreed("reduce_scatter", where, unit, nbytes, exchange, finish, async_op)
 
     def broadcast_(self, t: torch.Tensor, src: int, where: str) -> None:
         if self.world_size > 1:
@@ -281,25 +349,19 @@ class Comm:
             self.all_reduce_(value, where)
         return value
 
-    def first_disagreement(self, values: list[int], where: str) -> tuple[int, int, int] | None:
-        """Do all ranks hold the same `values`? One small all-reduce of (max, -min) per element.
-        Returns (position, this rank's value, another rank's value) of the first difference."""
-        if self.world_size == 1 or not values:
-            return None
-        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
-        both = torch.cat([mine, -mine])
-        self.all_reduce_(both, where, op=dist.ReduceOp.MAX)
-        hi, lo = both[:len(values)].cpu(), -both[len(values):].cpu()
-        differ = (hi != lo).nonzero()
-        if differ.numel() == 0:
-            return None
-        i = int(differ[0])
-        other = int(hi[i]) if int(hi[i]) != values[i] else int(lo[i])
-        return i, values[i], other
-
     def barrier(self, where: str) -> None:
         if self.world_size > 1:
             self._run("barrier", where, lambda: dist.barrier(async_op=True), None, False)
+
+
+class _Deferred:
+    """The work of a gloo exchange whose data is posted once the peers' headers matched."""
+
+    def __init__(self, exchanges: HeaderedExchanges, entry: object):
+        self.exchanges, self.entry = exchanges, entry
+
+    def wait(self) -> None:
+        self.exchanges.wait(self.entry)
 
 
 class _Works:

@@ -252,7 +252,8 @@ class Unit:
             step = max(ALIGN, self.bucket_numel)
             for lo in range(0, self.padded_numel, step):
                 part = full[lo:lo + step]
-                handles.append(comm.all_reduce_(part, self._where(lo, step), average=True, async_op=True))
+                handles.append(comm.all_reduce_(part, self._where(lo, step), average=True, async_op=True,
+                                                unit=self.index))
             in_place = full.data_ptr() == self.master_grad.data_ptr()
             after = release if in_place else (lambda: (self.master_grad.add_(full), release()))
             return _join(handles, after)
@@ -264,7 +265,7 @@ class Unit:
             # One bucket = the same column range of every rank's shard, so a reduce-scatter of it
             # hands each rank its own piece.
             handle = comm.reduce_scatter(out[lo:hi], rows[:, lo:hi], self._where(lo, chunk),
-                                         average=True, async_op=True)
+                                         average=True, async_op=True, unit=self.index)
             if self.host is not None:  # offload: each bucket leaves for the host once reduced
                 handle = _join([handle], lambda lo=lo, hi=hi: self._accept_grad(out, lo, hi))
             handles.append(handle)
@@ -324,7 +325,8 @@ class Unit:
             self.flat[a + k:b].copy_(self.master.detach())
         if self.policy.shard_optimizer:
             self.state = WeightState.GATHERING
-            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True)
+            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
+                                                       unit=self.index)
 
     def gather(self) -> None:
         """Start gathering the full weights into `flat` (stage 3, or a re-publish); idempotent."""
@@ -341,7 +343,8 @@ class Unit:
             # A device shard; or offload_param on a CPU-only machine, where this is the same
             # host -> "device" copy between two buffers, synchronous.
             own.copy_(self.shard)
-            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True)
+            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
+                                                       unit=self.index)
             return
         # offload_param on CUDA: the (pinned) host shard crosses on the side stream and the
         # all-gather is queued behind it there, so a prefetch overlaps the compute stream;
@@ -350,7 +353,8 @@ class Unit:
         side.wait_stream(torch.cuda.current_stream(own.device))  # `flat` was just allocated there
         with torch.cuda.stream(side):
             own.copy_(self.shard, non_blocking=True)
-            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True)
+            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
+                                                       unit=self.index)
         self._fetch_stream = side
 
     def wait_weights(self) -> None:
@@ -452,7 +456,7 @@ class Unit:
             a += self.host_numel
         full[a:b].copy_(source)
         if partitioned:
-            self.comm.all_gather(full, self.name)
+            self.comm.all_gather(full, self.name, unit=self.index)
         return full
 
     def split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -63,6 +63,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     retire_constructed(model)
     for index, unit in enumerate(units):
         unit.index = index
+    comm.unit_names = [u.name for u in units]  # divergence errors name the other rank's unit
     # Before the optimizer is built: torch's optimizer steps only the device parts.
     stepper, placement = _offload(units, placement, comm.device, dtype, recipe.kind)
     masters = [[u.master for u in units if u.trainable and u.group_index == g]

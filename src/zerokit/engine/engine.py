@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from zerokit.checkpoint.save import settle_checkpoint
 from zerokit.config.schema import ZeroKitConfig
-from zerokit.core.collectives import CollectiveError, Comm, Handle
+from zerokit.core.collectives import Comm, Handle
 from zerokit.core.unit import Unit
 from zerokit.engine.optimizer import state_bytes
 from zerokit.engine.precision import LossScaler
@@ -142,16 +142,9 @@ class Engine(nn.Module):
         return hook
 
     def _launch_reduce(self, unit: Unit) -> None:
-        """Ranks whose backward took different code paths would reduce different units here, and
-        equal-sized collectives then pair silently wrong (unequal ones abort gloo). One 2-element
-        all-reduce first makes that an error naming both units, before any bytes move."""
-        differ = self.comm.first_disagreement([unit.index], f"unit '{unit.name}' (rank agreement)")
-        if differ is not None:
-            raise CollectiveError(
-                f"rank {self.comm.rank}: ranks diverged in backward: this rank is about to reduce "
-                f"the gradients of unit '{unit.name}' while another rank reduces unit "
-                f"'{self.units[differ[2]].name}'. Every rank must run the same modules "
-                f"(data-dependent branches must agree across ranks).")
+        """Ranks whose backward took different paths would reduce different units here: each
+        reduction carries its unit's index and fails naming both units (see [Note: rank
+        agreement] in core/agreement.py), at the latest when the step settles the checks."""
         self._track(unit.launch_reduce(), unit)
 
     def _track(self, handle: Handle, unit: Unit) -> None:
@@ -176,6 +169,9 @@ class Engine(nn.Module):
             return
         t0 = time.perf_counter()
         settle_checkpoint(self)  # an async save may still be reading the state this step changes
+        # Every collective so far agreed across ranks, before the step applies their results
+        # (on CUDA the checks still in flight are waited here, where the norm / flags sync anyway).
+        self.comm.settle_agreement()
         if self.offload is not None:  # host gradients landed; a delayed update joined
             self.offload.before_step()
         trainable = [u for u in self.units if u.trainable]

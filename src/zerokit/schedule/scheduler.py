@@ -6,10 +6,9 @@ them) and, from the next iteration on, gathers ahead in that order within
 gathered. When the order changes (data-dependent control flow) prefetching stops for that
 iteration, which stays correct, and the new order is recorded.
 
-[Note: rank agreement] Every use first checks, with one 2-element all-reduce, that all ranks are
-about to use the same unit. Ranks that took different code paths would otherwise pair
-mismatched collectives and hang or compute garbage; instead every rank fails with both units'
-names.
+Ranks that take different paths gather different units: every gather carries its unit's index,
+so they fail naming both units instead of pairing collectives wrongly (see [Note: rank
+agreement] in core/agreement.py); a use needs no collective of its own for that.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zerokit.config.schema import ZeroConfig
-from zerokit.core.collectives import Comm, CollectiveError
+from zerokit.core.collectives import Comm
 from zerokit.core.unit import Unit, WeightState
 
 
@@ -49,7 +48,6 @@ class Stage3Scheduler:
 
     def use(self, unit: Unit) -> None:
         """Before a unit's forward or backward: its weights must be gathered when this returns."""
-        self._check_ranks_agree(unit)
         if self._following and (self._pos >= len(self.trace) or self.trace[self._pos] is not unit):
             self._following = False  # the order changed: stay correct, stop predicting, re-record
         self._recording.append(unit)
@@ -123,14 +121,3 @@ class Stage3Scheduler:
             if distance > self.max_reuse_distance:
                 return False
         return False
-
-    def _check_ranks_agree(self, unit: Unit) -> None:
-        """See [Note: rank agreement]."""
-        differ = self.comm.first_disagreement([unit.index], f"unit '{unit.name}' (rank agreement)")
-        if differ is not None:
-            names = {u.index: u.name for u in self.units}
-            raise CollectiveError(
-                f"rank {self.comm.rank}: ranks diverged at ZeRO-3 iteration use #{self._pos}: this rank "
-                f"is about to use unit '{unit.name}' while another rank uses unit "
-                f"'{names.get(differ[2], '?')}'. Every rank must run the same "
-                f"modules in the same order (data-dependent branches must agree across ranks).")
