@@ -153,7 +153,7 @@ class LaggedChecks:
             host = host.pin_memory()
             dev = host.to(self.device, non_blocking=True)
             dist.all_reduce(dev, dist.ReduceOp.MAX, async_op=True).wait()  # orders the stream only
-            result = torch.empty_like(host, pin_memory=True)
+            result = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
             result.copy_(dev, non_blocking=True)
             done: Completion = torch.cuda.Event()
             done.record()
