@@ -47,6 +47,15 @@ MIRRORED = {
     "zerokit.compat.deepspeed.compression.helper": ["recursive_getattr", "recursive_setattr"],
 }
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_group_left_behind():
+    """deepspeed.initialize forms a world-of-one process group, as DeepSpeed does: end it here."""
+    had_group = torch.distributed.is_initialized()
+    yield
+    if not had_group and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 ENGINE_API = ["forward", "backward", "step", "train", "eval", "zero_grad", "module", "local_rank", "config",
               "bfloat16_enabled", "fp16_enabled", "gradient_accumulation_steps", "train_batch_size",
               "train_micro_batch_size_per_gpu", "set_gradient_accumulation_boundary", "get_global_grad_norm",
@@ -247,8 +256,7 @@ def test_accelerator_comm_and_utils_on_one_process():
         assert isinstance(fn(), int) and fn() >= 0
     acc.reset_peak_memory_stats()
     acc.manual_seed_all(3)
-    if not torch.distributed.is_initialized():
-        assert (comm.get_rank(), comm.get_world_size()) == (0, 1)
+    assert (comm.get_rank(), comm.get_world_size()) == (0, 1)
     model = tiny_gpt()
     assert recursive_getattr(model, "transformer.h.1") is model.transformer.h[1]
     recursive_setattr(model, "transformer.h.1", torch.nn.Identity())

@@ -37,10 +37,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     """deepspeed.initialize: returns (engine, optimizer, training_dataloader, lr_scheduler).
 
     The config comes from exactly one of `config`, `config_params` (the legacy name) and
-    `args.deepspeed_config` (`--deepspeed_config`, see add_config_arguments). distributed_port and
-    dist_init_required are accepted and ignored: the process group comes from the launcher's
-    environment (or init_distributed); mpu and mesh_param (model / sequence parallelism) are
-    not implemented.
+    `args.deepspeed_config` (`--deepspeed_config`, see add_config_arguments). Like DeepSpeed it
+    first joins (or, alone, forms) the process group: see comm.init_distributed. mpu and
+    mesh_param (model / sequence parallelism) are not implemented.
     """
     from zerokit.engine.assemble import initialize as zerokit_initialize
     from zerokit.engine.deepspeed_api import DeepSpeedOptimizerView
@@ -52,6 +51,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                   f"(model or sequence parallelism) is not implemented; zerokit is data "
                                   f"parallel only")
     config = _one_config(args, config, config_params)
+    # As DeepSpeed: a process group always exists after initialize (the HF Trainer then calls
+    # torch.distributed directly, even at world size 1).
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     engine, opt, loader, scheduler = zerokit_initialize(
         model=model, optimizer=optimizer, model_parameters=model_parameters, config=config,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -27,20 +28,24 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      dist_init_required: bool | None = None, config=None, rank: int = -1,
                      world_size: int = -1) -> None:
     """Join the process group the launcher describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-    in the environment, or rank= and world_size=), or form a world of one when neither says
-    anything. Does nothing if a group exists. auto_mpi_discovery and verbose are accepted and
-    ignored (no MPI discovery: launch with torchrun or deepspeed's launcher environment)."""
+    in the environment, or rank= and world_size=), or form a world of one (file rendezvous)
+    when neither says anything. Does nothing if a group exists or dist_init_required is False.
+    auto_mpi_discovery and verbose are accepted and ignored (no MPI discovery: launch with
+    torchrun or anything that sets that environment)."""
     if dist.is_initialized() or dist_init_required is False:
         return
+    kwargs = {}
     if rank >= 0 and world_size > 0:
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world_size))
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ and init_method is None:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+        # A world of one (no launcher): a file rendezvous, so no TCP port can collide.
+        init_method = f"file://{tempfile.mkdtemp(prefix='zerokit-ds-')}/store"
+        kwargs.update(rank=0, world_size=1)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    kwargs = {}
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
