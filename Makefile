@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.zerokit-installed
 NATIVE := $(shell find src/zerokit/csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
 DEMO_STEPS ?= 300
 
-.PHONY: install demo test test-fast bench-deps clean
+.PHONY: compat install demo test test-fast bench-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ test-fast: $(STAMP)
 # The `bench` extra: deepspeed's setup imports torch, so it must build against the venv's torch.
 bench-deps: $(STAMP)
 	$(BIN)/python -m pip install --quiet --no-build-isolation deepspeed py-cpuinfo hjson ninja
+
+# The `deepspeed` compatibility distribution (compat/deepspeed/README.md): `import deepspeed` becomes
+# zerokit. It replaces a real DeepSpeed, so it refuses an environment that has one (bench-deps
+# installs DeepSpeed here for the comparison benchmarks): PY=/other/venv/bin/python to choose.
+PY ?= $(BIN)/python
+compat:
+	@$(PY) -c 'import importlib.metadata as m, sys; v = next((d.version for d in m.distributions() if d.metadata["Name"] == "deepspeed"), None); sys.exit(f"make compat: {sys.executable} has DeepSpeed {v}; installing the compatibility distribution would replace it. Use PY=/other/venv/bin/python" if v and not v.endswith("+zerokit") else 0)'
+	$(PY) -m pip install --quiet --no-deps ./compat/deepspeed
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

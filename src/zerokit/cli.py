@@ -65,7 +65,7 @@ def train(args) -> int:
         print(explain(engine), flush=True)
         print(f"data: {len(dataset.data):,} bytes of Python standard-library source, "
               f"{len(dataset):,} windows of {args.seq}", flush=True)
-    tokens_per_step = engine.train_batch_size * args.seq
+    tokens_per_step = engine.train_batch_size() * args.seq
     batches = _forever(loader)
     bar = tqdm(total=args.steps, disable=rank != 0, unit="step", dynamic_ncols=True, file=sys.stdout)
     first = last = None
@@ -74,12 +74,12 @@ def train(args) -> int:
     for step in range(args.steps):
         t0 = time.perf_counter()
         step_loss = 0.0
-        for _ in range(engine.gradient_accumulation_steps):
+        for _ in range(engine.gradient_accumulation_steps()):
             x, y = next(batches)
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            step_loss += loss.item() / engine.gradient_accumulation_steps
+            step_loss += loss.item() / engine.gradient_accumulation_steps()
         ema = step_loss if ema is None else 0.9 * ema + 0.1 * step_loss
         first = step_loss if first is None else first
         last = ema

@@ -112,10 +112,10 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
     if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name, not starting with "
                          f"'.' (zerokit's temporary names) and not '{LATEST}'")
-    if engine.micro_steps % engine.gradient_accumulation_steps:
+    if engine.micro_steps % engine.gradient_accumulation_steps():
         log.warning("save_checkpoint in the middle of gradient accumulation (micro-step %d of %d): "
                     "the gradients accumulated so far are not saved", engine.micro_steps %
-                    engine.gradient_accumulation_steps, engine.gradient_accumulation_steps)
+                    engine.gradient_accumulation_steps(), engine.gradient_accumulation_steps())
     comm, rank = engine.comm, engine.comm.rank
     tmp = os.path.join(save_dir, f".tmp-{tag}")
     async_save = engine.config.checkpoint.async_save

@@ -9,8 +9,10 @@ import torch.nn as nn
 from zerokit.config import load_config
 from zerokit.core.collectives import Comm
 from zerokit.core.devices import model_device_of
+from zerokit.core.ds_params import attach_ds_views
 from zerokit.core.unit import Unit
 from zerokit.core.wrap import group_parameters, select_modules
+from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
 from zerokit.engine.optimizer import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
@@ -73,6 +75,9 @@ def initialize(model: nn.Module, optimizer: Any = None,
     if stepper is not None:
         stepper.bind(torch_optimizer)
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch)
+    engine.config = config_dict(config if config is not None else config_params, cfg)
+    if policy.shard_weights:
+        attach_ds_views(model, units)  # see [Note: ds_* views]
     engine.offload, engine.placement = stepper, placement
     dataloader = _dataloader(training_data, batch[1], comm, collate_fn)
     engine.training_dataloader = dataloader

@@ -18,8 +18,10 @@ from zerokit.checkpoint.save import settle_checkpoint
 from zerokit.config.schema import ZeroKitConfig
 from zerokit.core.collectives import Comm, Handle
 from zerokit.core.unit import Unit
+from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
 from zerokit.engine.optimizer import state_bytes
 from zerokit.engine.precision import LossScaler
+from zerokit.engine.throughput import ThroughputTimer
 from zerokit.policy import PartitionPolicy
 from zerokit.schedule import Stage3Scheduler
 from zerokit.tiers import Ledger
@@ -27,7 +29,7 @@ from zerokit.tiers import Ledger
 log = logging.getLogger("zerokit")
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedEngineAPI, nn.Module):
     def __init__(self, module: nn.Module, config: ZeroKitConfig, comm: Comm, policy: PartitionPolicy,
                  units: list[Unit], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                  ledger: Ledger, batch: tuple[int, int, int]):
@@ -40,7 +42,12 @@ class Engine(nn.Module):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.ledger = ledger
-        self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps = batch
+        # DeepSpeed's getters read these: train_batch_size(), train_micro_batch_size_per_gpu(),
+        # gradient_accumulation_steps() (see the DeepSpeed API section at the end).
+        self._train_batch_size, self._micro_batch_size, self._gradient_accumulation_steps = batch
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._last_grad_norm: float | None = None  # get_global_grad_norm: the last step's
+        self.tput_timer = ThroughputTimer(batch[0])
         self.loss_scaler = LossScaler.from_config(config)
         self.global_steps = 0
         self.micro_steps = 0
@@ -100,6 +107,7 @@ class Engine(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.tput_timer.start()
         t0 = time.perf_counter()
         out = self.module(*args, **kwargs)
         self._timers["forward"] += time.perf_counter() - t0
@@ -107,10 +115,14 @@ class Engine(nn.Module):
 
     # ---- backward -----------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        if self._boundary_override is not None:  # the caller counts micro-steps (Accelerate)
+            return self._boundary_override
+        return (self.micro_steps + 1) % self._gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backpropagate loss / gradient_accumulation_steps (times the fp16 loss scale)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+                 ) -> torch.Tensor:
+        """Backpropagate loss / gradient_accumulation_steps (times the fp16 loss scale).
+        scale_wrt_gas=False: the caller already divided the loss (the HF Trainer does)."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor (got "
                              f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''})")
@@ -119,7 +131,7 @@ class Engine(nn.Module):
         self._reduce_now = self.policy.shard_gradients or self.is_gradient_accumulation_boundary()
         t0 = time.perf_counter()
         self.wait_for_weights()  # units whose modules forward did not call
-        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        scale = self.loss_scaler.scale / (self._gradient_accumulation_steps if scale_wrt_gas else 1)
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         if self._reduce_now:
             for unit in self.units:  # units some of whose parameters got no gradient this step
@@ -164,7 +176,8 @@ class Engine(nn.Module):
         """Update the weights at the accumulation boundary; otherwise only count the micro-step."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
-        self.global_samples += self.micro_batch_size * self.comm.world_size
+        self.global_samples += self._micro_batch_size * self.comm.world_size
+        self.tput_timer.stop(global_step=boundary)
         if not boundary:
             return
         t0 = time.perf_counter()
@@ -179,9 +192,11 @@ class Engine(nn.Module):
         coef = 1.0 / scale
         overflow = False
         clip = self.config.gradient_clipping
+        self._last_grad_norm = None
         if clip > 0 or self.loss_scaler.dynamic:
             norm = self._global_grad_norm(trainable)  # of the scaled gradients
             overflow = not math.isfinite(norm)
+            self._last_grad_norm = norm / scale
             if clip > 0 and not overflow:
                 clip_coef = clip / (norm / scale + 1e-6)
                 if clip_coef < 1.0:
@@ -278,10 +293,14 @@ class Engine(nn.Module):
 
     # ---- checkpoints (zerokit.checkpoint does the work) ----------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> None:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """exclude_frozen_parameters is accepted for DeepSpeed's signature (the HF Trainer probes
+        it) and ignored: frozen parameters are saved too, so the checkpoint is larger, not wrong.
+        Returns True, as DeepSpeed does."""
         from zerokit.checkpoint import save_checkpoint
 
         save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -301,9 +320,6 @@ class Engine(nn.Module):
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float:
-        return self._global_grad_norm([u for u in self.units if u.trainable]) / self.loss_scaler.scale
 
     @property
     def loss_scale(self) -> float:

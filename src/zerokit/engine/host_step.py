@@ -31,23 +31,24 @@ SUPPORTED = "Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/Adam
 def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostShard, dict, float], None]]:
     """(state family, step function) for the optimizer whose hyper-parameters the host follows."""
     kind = type(optimizer)
-    if kind in (torch.optim.Adam, torch.optim.AdamW, HostAdam):
+    # Subclasses count (DeepSpeed's names in zerokit.compat.deepspeed.ops are subclasses).
+    if issubclass(kind, (torch.optim.Adam, torch.optim.AdamW, HostAdam)):
         def adam(s: HostShard, g: dict, coef: float) -> None:
-            adamw = g["adamw_mode"] if kind is HostAdam else \
-                kind is torch.optim.AdamW or bool(g.get("decoupled_weight_decay", False))
+            adamw = g["adamw_mode"] if issubclass(kind, HostAdam) else \
+                issubclass(kind, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
             b1, b2 = g["betas"]
             K.adam_step(s.master, s.grad_in_flight, s.state["exp_avg"], s.state["exp_avg_sq"],
                         lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
                         step=s.steps, adamw=adamw, bias_correction=g.get("bias_correction", True),
                         grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
         return "adam", adam
-    if kind in (torch.optim.Adagrad, HostAdagrad):
+    if issubclass(kind, (torch.optim.Adagrad, HostAdagrad)):
         def adagrad(s: HostShard, g: dict, coef: float) -> None:
             K.adagrad_step(s.master, s.grad_in_flight, s.state["sum"], lr=g["lr"], eps=g["eps"],
                            weight_decay=g["weight_decay"], step=s.steps, lr_decay=g["lr_decay"],
                            grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
         return "adagrad", adagrad
-    if kind is HostLion:
+    if issubclass(kind, HostLion):
         def lion(s: HostShard, g: dict, coef: float) -> None:
             b1, b2 = g["betas"]
             K.lion_step(s.master, s.grad_in_flight, s.state["exp_avg"], lr=g["lr"], beta1=b1,

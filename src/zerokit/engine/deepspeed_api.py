@@ -1,0 +1,209 @@
+"""The DeepSpeedEngine methods that DeepSpeed-style scripts, the HF Trainer and Accelerate call.
+
+A mixin of `Engine`, kept apart so the engine's own file stays the training step. Every method
+here reads the engine's state (its config, units, loss scaler, counters); none moves bytes.
+What each caller uses is listed in docs/deepspeed.md.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from zerokit.core.unit import WeightState
+
+
+class DeepSpeedConfigDict(dict):
+    """`engine.config`: the DeepSpeed JSON as a dict, as DeepSpeed's engine.config is (the HF
+    Trainer reads `engine.config.get("zero_optimization", {})`). Attribute access reads the
+    validated ZeroKitConfig (`engine.config.gradient_clipping`), which zerokit's code uses."""
+
+    def __init__(self, raw: dict, typed: Any):
+        super().__init__(raw)
+        self._typed = typed
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_typed":
+            raise AttributeError(name)
+        return getattr(self._typed, name)
+
+    def __reduce__(self):  # pickles as the plain dict it shows
+        return dict, (dict(self),)
+
+
+def config_dict(raw: Any, typed: Any) -> DeepSpeedConfigDict:
+    """The user's config as a dict: a dict as given, a JSON path as loaded, a ZeroKitConfig as
+    the keys that were set in it."""
+    if isinstance(raw, dict):
+        return DeepSpeedConfigDict(raw, typed)
+    if isinstance(raw, (str, os.PathLike)):
+        import json
+
+        with open(raw) as f:
+            return DeepSpeedConfigDict(json.load(f), typed)
+    return DeepSpeedConfigDict(typed.model_dump(by_alias=True, exclude_unset=True), typed)
+
+
+class DeepSpeedEngineAPI:
+    """DeepSpeedEngine's public surface over zerokit's Engine (see docs/deepspeed.md)."""
+
+    # ---- batch and precision getters (DeepSpeed exposes them as methods) ----------------------
+    def train_batch_size(self) -> int:
+        return self._train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._gradient_accumulation_steps
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.compute_dtype_name == "bf16"
+
+    def fp16_enabled(self) -> bool:
+        return self.config.compute_dtype_name == "fp16"
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    # ---- process placement --------------------------------------------------------------------
+    @property
+    def local_rank(self) -> int:
+        """LOCAL_RANK from the launcher; without one, the global rank (one node)."""
+        return int(os.environ.get("LOCAL_RANK", self.comm.rank))
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.comm.world_size  # zerokit is data parallel only
+
+    @property
+    def device(self) -> torch.device:
+        return self.comm.device
+
+    # ---- accumulation and step results --------------------------------------------------------
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Declare whether the coming backward/step ends an accumulation window (Accelerate calls
+        this before every backward). Once set, the engine's own micro-step count no longer decides."""
+        self._boundary_override = bool(is_boundary)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The 2-norm of the gradients (unscaled, before clipping) that the last optimizer step
+        used, as DeepSpeed caches it until the next step. None before the first step, and after a
+        step that computed none: without gradient_clipping and dynamic fp16 loss scaling, zerokit
+        skips that pass over the gradients."""
+        return self._last_grad_norm
+
+    @property
+    def overflow(self) -> bool:
+        """The last optimizer step was skipped because the fp16 gradients overflowed."""
+        s = self.loss_scaler
+        return s.dynamic and s.cur_iter > 0 and s.last_overflow_iter == s.cur_iter - 1
+
+    def was_step_applied(self) -> bool:
+        return not self.overflow
+
+    # ---- consolidated weights -----------------------------------------------------------------
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's zero_optimization.stage3_gather_16bit_weights_on_model_save (DeepSpeed's
+        default: false). Accelerate consults it before calling _zero3_consolidated_16bit_state_dict."""
+        zero = self.config.get("zero_optimization", {})
+        return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict[str, torch.Tensor]:
+        """Collective: the full compute-dtype state dict on rank 0 (on the host), {} elsewhere,
+        gathered one unit at a time. Tied parameters appear under every name, buffers included."""
+        self.wait_for_weights()
+        rank0 = self.comm.rank == 0
+        out: dict[str, torch.Tensor] = {}
+        for u in self.units:
+            if exclude_frozen_parameters and not u.trainable:
+                continue
+            gathered_here = u.state is WeightState.SHARDED
+            u.gather()
+            u.wait_weights()
+            if rank0:
+                out.update({k: v.detach().cpu().clone() for k, v in u.split(u.flat).items()})
+            if gathered_here:
+                u.release()
+        if not rank0:
+            return {}
+        canonical = {id(p): n for n, p in self.module.named_parameters()}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if name not in out and canonical[id(p)] in out:
+                out[name] = out[canonical[id(p)]]
+        from zerokit.checkpoint.save import persistent_buffers
+
+        for name, buf in persistent_buffers(self.module):
+            out[name] = buf.detach().cpu().clone()
+        return out
+
+    # ---- the wrapped module's attributes ------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """What the engine lacks, the wrapped module answers (engine.generate, engine.config of a
+        model is shadowed by the engine's own, as in DeepSpeed)."""
+        try:
+            return super().__getattr__(name)  # nn.Module: parameters, buffers, submodules
+        except AttributeError:
+            pass
+        modules = self.__dict__.get("_modules", {})
+        module = modules.get("module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(f"'{type(self).__name__}' object and its module "
+                                 f"'{type(module).__name__}' have no attribute '{name}'") from None
+
+
+class DeepSpeedOptimizerView:
+    """What deepspeed.initialize returns as the optimizer: DeepSpeed's ZeRO optimizer wraps the
+    basic one as `.optimizer` and reports `.overflow`; Accelerate reads both. Everything else
+    (param_groups, state_dict, ...) is the optimizer zerokit.initialize returned."""
+
+    def __init__(self, engine: Any, optimizer: Any):
+        self._engine = engine
+        self._wrapped = optimizer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        # If zerokit.initialize returns a wrapper of its own, its `.optimizer` is the basic one.
+        return getattr(self._wrapped, "optimizer", self._wrapped)
+
+    @property
+    def overflow(self) -> bool:
+        return self._engine.overflow
+
+    @property
+    def loss_scale(self) -> float:
+        return self._engine.loss_scale
+
+    cur_scale = loss_scale  # DeepSpeed's fp16 optimizers' name for it
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._wrapped.param_groups
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_engine", "_wrapped"):
+            raise AttributeError(name)
+        return getattr(self._wrapped, name)
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedOptimizerView({self._wrapped!r})"
