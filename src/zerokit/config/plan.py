@@ -1,13 +1,16 @@
 """The start-up plan: what is partitioned, what lives where, and the bytes per tier on this rank.
 
-Printed by rank 0 when training starts, so that a user sees the effective configuration (after
+Logged by rank 0 at `initialize` (report_startup), so that a user sees the effective configuration (after
 defaults and the batch-size rule) and the memory it implies before the first step runs.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+from zerokit.config.ignored import format_ignored, ignored_settings
 from zerokit.engine.optimizer import STATE_BYTES_PER_ELEMENT
+from zerokit.utils.logs import log
 
 if TYPE_CHECKING:
     from zerokit.engine.engine import Engine
@@ -15,6 +18,18 @@ if TYPE_CHECKING:
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
+
+
+def report_startup(engine: "Engine") -> None:
+    """Rank 0, once per initialize, through the "zerokit" logger (see utils/logs.py): the config
+    keys accepted and ignored (a warning, with each reason), then the plan."""
+    if engine.comm.rank != 0:
+        return
+    found = ignored_settings(engine.config)
+    if found:
+        log.warning(format_ignored(found))
+    if log.isEnabledFor(logging.INFO):
+        log.info(explain(engine))
 
 
 def explain(engine: "Engine") -> str:

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.config import load_config
+from zerokit.config.plan import report_startup
 from zerokit.core.collectives import Comm
 from zerokit.core.unit import Unit
 from zerokit.core.wrap import group_parameters, select_modules
@@ -16,6 +17,7 @@ from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.schedulers import build_scheduler
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tiers import Ledger
+from zerokit.utils.logs import configure_logging
 from zerokit.zero import adopt_constructed, retire_constructed
 
 
@@ -32,6 +34,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
         raise TypeError(f"model must be a torch.nn.Module (got {type(model).__name__})")
     cfg = load_config(config if config is not None else config_params)
     comm = Comm.from_environment(cfg.comm_timeout_s)
+    configure_logging(comm.rank)
     batch = cfg.resolve_batch(comm.world_size)
     policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
     placement = PlacementPolicy.from_config(cfg.zero_optimization)
@@ -70,6 +73,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
         stepper.bind(torch_optimizer)
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch)
     engine.offload, engine.placement = stepper, placement
+    report_startup(engine)
     dataloader = _dataloader(training_data, batch[1], comm, collate_fn)
     engine.training_dataloader = dataloader
     return engine, torch_optimizer, dataloader, scheduler
@@ -92,7 +96,8 @@ def _offload(units: list[Unit], placement: PlacementPolicy, device: torch.device
         from zerokit.engine.auto_ratio import choose_ratio
 
         ratio, why = choose_ratio(units, device, (4 if dtype != torch.float32 else 0) + 8 + 4)
-        logging.getLogger("zerokit").info("offload_optimizer.ratio auto: %s", why)
+        # Rank 0's reason is in the start-up plan (placement.describe); each rank's at debug.
+        logging.getLogger("zerokit").debug("offload_optimizer.ratio auto: %s", why)
         placement = dataclasses.replace(placement, ratio=ratio, auto=False, auto_reason=why)
     if not placement.offloads:
         return None, placement
