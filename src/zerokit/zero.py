@@ -82,8 +82,10 @@ class Init:
     - module: partition this already-built model now, as if it had been built in the context.
     - config_dict_or_path / config (aliases): a dict, a JSON path or a ZeroKitConfig.
     - enabled: False makes the context do nothing.
-    - dtype: torch.float32, float16 or bfloat16: parameters are cast to it before sharding
-      (None: as the model builds them).
+    - dtype: torch.float32, float16 or bfloat16: parameters are cast to it before sharding.
+      None keeps the dtype the model builds them in (DeepSpeed's None means the config's 16-bit
+      dtype; zerokit keeps the built values so the fp32 master starts exact: pass dtype to halve
+      the construction shards instead).
     - remote_device: None / "none" keeps each shard on the compute device, "cpu" on the host tier
       (as offload_param does; the default when the config's offload_param.device is "cpu");
       "nvme" is ZeRO-Infinity, not implemented yet (issue #16).

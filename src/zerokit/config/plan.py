@@ -52,14 +52,17 @@ def explain(engine: "Engine") -> str:
         f"  precision: compute {cfg.compute_dtype_name}, master fp32, gradient reduction "
         f"{str(units[0].reduce_dtype).replace('torch.', '')}"
         + (f", loss scale {engine.loss_scaler.scale:g} ({'dynamic' if engine.loss_scaler.dynamic else 'static'})"
-           if cfg.fp16.enabled else ""),
+           if cfg.fp16.enabled else "")
+        + (", floating inputs cast to fp16 (fp16.auto_cast)" if cfg.fp16.auto_cast else ""),
         f"  batch: {engine.train_batch_size} = micro {engine.micro_batch_size} x accumulation "
         f"{engine.gradient_accumulation_steps} x world {comm.world_size}",
         f"  parameters: {trainable:,} trainable, {frozen:,} frozen, in {len(units)} units "
         f"(largest: {largest.name}, {largest.numel:,})",
         f"  optimizer: {opt_name} over {masters:,} fp32 master elements on this rank; state {state_line}",
         f"  gradient clipping: {cfg.gradient_clipping or 'off'}; reduce buckets of "
-        f"{cfg.zero_optimization.reduce_bucket_size:,} elements",
+        f"{cfg.zero_optimization.reduce_bucket_size:,} elements, "
+        + ("overlapping backward" if cfg.zero_optimization.overlap_comm else
+           "each waited for as it starts (overlap_comm: false)"),
         *_offload_lines(engine),
         ledger.format(f"  bytes on rank {comm.rank} (before the first step)"),
     ]
