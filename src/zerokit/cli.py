@@ -52,7 +52,6 @@ def train(args) -> int:
     from tqdm import tqdm
 
     import zerokit
-    from zerokit.config.plan import explain
     from zerokit.data import ByteDataset, stdlib_text
     from zerokit.models import GPT, GPTConfig
 
@@ -61,8 +60,7 @@ def train(args) -> int:
     dataset = ByteDataset(stdlib_text(), args.seq)
     engine, _, loader, _ = zerokit.initialize(model=model, config=_config(args), training_data=dataset)
     rank, world = engine.comm.rank, engine.comm.world_size
-    if rank == 0:
-        print(explain(engine), flush=True)
+    if rank == 0:  # initialize has shown the plan (rank 0, the "zerokit" logger)
         print(f"data: {len(dataset.data):,} bytes of Python standard-library source, "
               f"{len(dataset):,} windows of {args.seq}", flush=True)
     tokens_per_step = engine.train_batch_size() * args.seq
@@ -71,21 +69,22 @@ def train(args) -> int:
     first = last = None
     ema = None
     start = time.perf_counter()
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        step_loss = 0.0
-        for _ in range(engine.gradient_accumulation_steps()):
-            x, y = next(batches)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / engine.gradient_accumulation_steps()
-        ema = step_loss if ema is None else 0.9 * ema + 0.1 * step_loss
-        first = step_loss if first is None else first
-        last = ema
-        dt = time.perf_counter() - t0
-        bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", lr=f"{engine.get_lr()[0]:.2e}")
-        bar.update(1)
+    with _log_lines_above(bar):  # steps_per_print lines print above the bar, not through it
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            step_loss = 0.0
+            for _ in range(engine.gradient_accumulation_steps()):
+                x, y = next(batches)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                step_loss += loss.item() / engine.gradient_accumulation_steps()
+            ema = step_loss if ema is None else 0.9 * ema + 0.1 * step_loss
+            first = step_loss if first is None else first
+            last = ema
+            dt = time.perf_counter() - t0
+            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", lr=f"{engine.get_lr()[0]:.2e}")
+            bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - start
     rss = psutil.Process().memory_info().rss
@@ -104,6 +103,21 @@ def train(args) -> int:
             print(f"\n{text}\n  process RSS on rank {r}: {now / 2**20:,.0f} MiB now, {top / 2**20:,.0f} MiB peak")
     engine.destroy()
     return 0
+
+
+def _log_lines_above(bar):
+    """zerokit's own stderr handler (rank 0, utils/logs.py) writes through tqdm while the bar runs."""
+    import contextlib
+    import logging
+
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from zerokit.utils.logs import default_handler
+
+    zerokit_log = logging.getLogger("zerokit")
+    if bar.disable or default_handler(zerokit_log) is None:
+        return contextlib.nullcontext()
+    return logging_redirect_tqdm([zerokit_log])
 
 
 def _peak_rss() -> int:

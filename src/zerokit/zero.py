@@ -77,27 +77,68 @@ class Init:
     same model. `module.apply(fn)` inside the context gathers each module's weights around fn
     (with rank 0's edits kept), which is how most models run their custom initialisation; code
     that writes to parameters of other, already built modules must use GatheredParameters.
+
+    DeepSpeed's arguments, in DeepSpeed's order; each is honoured or refused by name:
+    - module: partition this already-built model now, as if it had been built in the context.
+    - config_dict_or_path / config (aliases): a dict, a JSON path or a ZeroKitConfig.
+    - enabled: False makes the context do nothing.
+    - dtype: torch.float32, float16 or bfloat16: parameters are cast to it before sharding.
+      None keeps the dtype the model builds them in (DeepSpeed's None means the config's 16-bit
+      dtype; zerokit keeps the built values so the fp32 master starts exact: pass dtype to halve
+      the construction shards instead).
+    - remote_device: None / "none" keeps each shard on the compute device, "cpu" on the host tier
+      (as offload_param does; the default when the config's offload_param.device is "cpu");
+      "nvme" is ZeRO-Infinity, not implemented yet (issue #16).
+    - pin_memory: page-lock the host shards (with remote_device "cpu"; only where CUDA exists).
+    - data_parallel_group / sequence_data_parallel_group / mpu: zerokit partitions over all
+      ranks, so only a group (or an mpu data-parallel group) spanning every rank is accepted.
+    - mem_efficient_linear: True is what zerokit always does; False is refused.
+    - zero_param_parallel_group (hpZ), zero_quantized_weights / zero_quantized_nontrainable_weights
+      (ZeRO++), param_swapper (NVMe), tensor_overrides: not implemented, refused when set.
+    Any other keyword is a TypeError naming it (Python's own).
     """
 
-    def __init__(self, config=None, enabled: bool = True, **_ignored_deepspeed_kwargs):
+    def __init__(self, module: nn.Module | None = None, data_parallel_group=None,
+                 mem_efficient_linear: bool = True, remote_device: str | None = None,
+                 pin_memory: bool = False, config_dict_or_path=None, config=None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu=None, zero_param_parallel_group=None,
+                 zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group=None, param_swapper=None, tensor_overrides=None):
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"zero.Init(module=...) must be a torch.nn.Module (got "
+                            f"{type(module).__name__}); pass a config as config= or config_dict_or_path=")
+        _check_refused(mem_efficient_linear=mem_efficient_linear, dtype=dtype,
+                      zero_param_parallel_group=zero_param_parallel_group,
+                      zero_quantized_weights=zero_quantized_weights,
+                      zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
+                      param_swapper=param_swapper, tensor_overrides=tensor_overrides)
+        _check_groups(data_parallel_group, sequence_data_parallel_group, mpu)
         self.enabled = enabled
-        self.config = config
+        self.config = _resolve_config(config, config_dict_or_path)
+        self.remote_device, self.pin_memory = _resolve_placement(remote_device, pin_memory, self.config)
+        self.dtype = dtype
         self._patched: list[tuple[type, object]] = []
         self._saved_apply = None
         self._saved_init_subclass = None
+        if module is not None and enabled:
+            self._set_up()
+            for m in _children_first(module):
+                self._partition(m)
 
-    def __enter__(self) -> "Init":
-        if not self.enabled:
-            return self
-        from zerokit.config import load_config
+    def _set_up(self) -> None:
         from zerokit.core.collectives import Comm
         from zerokit.policy import PartitionPolicy
         from zerokit.tiers import Ledger
 
-        timeout = load_config(self.config).comm_timeout_s if self.config is not None else 1800.0
+        timeout = self.config.comm_timeout_s if self.config is not None else 1800.0
         self.comm = Comm.from_environment(timeout)
         self.policy = PartitionPolicy.for_stage(3)
         self.ledger = Ledger()
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        self._set_up()
         for cls in _all_module_classes():
             self._wrap_init(cls)
         self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
@@ -151,10 +192,19 @@ class Init:
         params = [(name, p) for name, p in module.named_parameters(recurse=False) if unit_of(p) is None]
         if not params:
             return
+        if self.dtype is not None:
+            for _, p in params:
+                p.data = p.data.to(self.dtype)
         unit = Unit(f"{type(module).__name__}@{id(module):x}", params, module=module, trainable=False,
                     group_index=-1, comm=self.comm, policy=self.policy,
                     compute_dtype=params[0][1].dtype, reduce_dtype=params[0][1].dtype,
                     bucket_numel=1 << 62, ledger=self.ledger)
+        if self.remote_device == "cpu":
+            from zerokit.engine.offload import place_weight_shards
+            from zerokit.policy import PlacementPolicy
+
+            place_weight_shards([unit], PlacementPolicy(params_on_host=True,
+                                                        param_pin_memory=self.pin_memory))
         _CONSTRUCTED[id(module)] = unit
 
 
@@ -178,6 +228,22 @@ def retire_constructed(model: nn.Module) -> None:
             unit.retire()
 
 
+def _children_first(module: nn.Module) -> list[nn.Module]:
+    """Modules in the order their __init__s return when built: every child before its parent."""
+    order: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for child in m.children():
+            visit(child)
+        order.append(m)
+    visit(module)
+    return order
+
+
 def _all_module_classes() -> list[type]:
     seen, stack = [], [nn.Module]
     while stack:
@@ -187,3 +253,93 @@ def _all_module_classes() -> list[type]:
                 seen.append(sub)
                 stack.append(sub)
     return seen
+
+
+# ---- zero.Init's DeepSpeed arguments -----------------------------------------------------------
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_refused(*, mem_efficient_linear: bool, dtype, zero_param_parallel_group,
+                   zero_quantized_weights: bool, zero_quantized_nontrainable_weights: bool,
+                   param_swapper, tensor_overrides) -> None:
+    """The arguments whose only accepted value is the one that asks for nothing zerokit lacks."""
+    if mem_efficient_linear is not True:
+        raise ValueError(
+            f"zero.Init(mem_efficient_linear={mem_efficient_linear!r}) cannot be honoured: zerokit "
+            f"always frees released weights under autograd's saved tensors (they view the unit's "
+            f"buffer, freed on release and gathered again for backward), which is what DeepSpeed's "
+            f"memory-efficient linear provides; it cannot be turned off: leave the argument out")
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"zero.Init(dtype={dtype}): allowed {', '.join(map(str, _DTYPES))}, or None "
+                         f"(parameters keep the dtype the model builds them in)")
+    not_implemented = {
+        "zero_param_parallel_group": (zero_param_parallel_group is not None,
+                                      "hierarchical partitioning (ZeRO++ hpZ)"),
+        "zero_quantized_weights": (zero_quantized_weights, "quantized weight all-gathers (ZeRO++ qwZ)"),
+        "zero_quantized_nontrainable_weights": (zero_quantized_nontrainable_weights,
+                                                "quantized frozen weights (ZeRO++)"),
+        "param_swapper": (param_swapper is not None,
+                          "NVMe parameter swapping (ZeRO-Infinity, issue #16)"),
+        "tensor_overrides": (tensor_overrides is not None, "tensor overrides"),
+    }
+    for name, (asked, what) in not_implemented.items():
+        if asked:
+            raise NotImplementedError(f"zero.Init({name}=...): {what} is not implemented in zerokit; "
+                                      f"leave the argument out")
+
+
+def _check_groups(data_parallel_group, sequence_data_parallel_group, mpu) -> None:
+    """zerokit partitions over every rank: a group is honoured only if it is all of them."""
+    import torch.distributed as dist
+
+    if data_parallel_group is not None and sequence_data_parallel_group is not None:
+        raise ValueError("zero.Init: data_parallel_group and sequence_data_parallel_group were both "
+                         "given; DeepSpeed takes one of them")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def size(group) -> int | None:
+        try:
+            return dist.get_world_size(group)
+        except Exception:  # not a process group, or no process group exists
+            return None
+    for name, group in (("data_parallel_group", data_parallel_group),
+                        ("sequence_data_parallel_group", sequence_data_parallel_group)):
+        if group is not None and size(group) != world:
+            raise NotImplementedError(
+                f"zero.Init({name}=...): zerokit partitions across all {world} rank(s); a group "
+                f"of {size(group) or 'unknown size'} is not supported (pass None)")
+    if mpu is not None:
+        dp = getattr(mpu, "get_data_parallel_world_size", None)
+        if dp is None or dp() != world:
+            raise NotImplementedError(
+                f"zero.Init(mpu=...): zerokit has no model parallelism and partitions across all "
+                f"{world} rank(s); an mpu is accepted only when its data-parallel group is every rank")
+
+
+def _resolve_config(config, config_dict_or_path):
+    """DeepSpeed's `config` is a deprecated alias of `config_dict_or_path`; loaded here, so a bad
+    config fails where Init is called."""
+    from zerokit.config import load_config
+
+    if config is not None and config_dict_or_path is not None and config is not config_dict_or_path:
+        raise ValueError("zero.Init: config and config_dict_or_path are aliases and both were given; "
+                         "pass one")
+    chosen = config if config is not None else config_dict_or_path
+    return load_config(chosen) if chosen is not None else None
+
+
+def _resolve_placement(remote_device, pin_memory: bool, config) -> tuple[str, bool]:
+    """("device" or "cpu", pin): where each construction shard lives."""
+    param = config.zero_optimization.offload_param if config is not None else None
+    if remote_device is None and param is not None and param.device == "cpu":
+        remote_device, pin_memory = "cpu", pin_memory or param.pin_memory  # DeepSpeed's default
+    device = {"none": "device", None: "device", "cpu": "cpu"}.get(remote_device)
+    if remote_device == "nvme":
+        raise NotImplementedError("zero.Init(remote_device='nvme'): NVMe parameter offload "
+                                  "(ZeRO-Infinity) is not implemented yet (issue #16); use 'cpu' or None")
+    if device is None:
+        raise ValueError(f"zero.Init(remote_device={remote_device!r}): allowed None or 'none' (the "
+                         f"compute device), 'cpu' (the host tier); 'nvme' is not implemented yet")
+    if pin_memory and device != "cpu":
+        raise ValueError("zero.Init(pin_memory=True) pins host shards: it needs remote_device='cpu'")
+    return device, pin_memory

@@ -79,3 +79,93 @@ def test_config_surface_is_locked() -> None:
         "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
         "communication_data_type", "steps_per_print", "wall_clock_breakdown", "comm_timeout_s",
         "checkpoint"])
+
+
+# Strict types: pydantic's lax mode would turn "yes"/"on"/1 into True and "10" into 10, so a typo'd
+# or templated value silently meant something. JSON ints for float fields, and whole-number
+# floats such as 5e8 for int fields (DeepSpeed configs write bucket sizes so), stay accepted.
+STRICT = [
+    ({**BASE, "zero_optimization": {"overlap_comm": "yes"}}, ["zero_optimization.overlap_comm", "'yes'"]),
+    ({**BASE, "zero_optimization": {"contiguous_gradients": 1}}, ["zero_optimization.contiguous_gradients", "1"]),
+    ({**BASE, "zero_optimization": {"reduce_scatter": "on"}}, ["zero_optimization.reduce_scatter", "'on'"]),
+    ({**BASE, "zero_optimization": {"reshard_after_forward": "false"}}, ["reshard_after_forward", "'false'"]),
+    ({**BASE, "fp16": {"enabled": "on"}}, ["fp16.enabled", "'on'"]),
+    ({**BASE, "fp16": {"enabled": True, "auto_cast": "true"}}, ["fp16.auto_cast", "'true'"]),
+    ({**BASE, "fp16": {"enabled": True, "consecutive_hysteresis": 0}}, ["fp16.consecutive_hysteresis", "0"]),
+    ({**BASE, "bf16": {"enabled": 1}}, ["bf16.enabled", "1"]),
+    ({**BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": "yes"}}},
+     ["zero_optimization.offload_param.pin_memory", "'yes'"]),
+    ({**BASE, "zero_optimization": {"stage": 1, "offload_optimizer": {
+        "device": "cpu", "delayed_update": {"enabled": "yes"}}}},
+     ["zero_optimization.offload_optimizer.delayed_update.enabled", "'yes'"]),
+    ({**BASE, "checkpoint": {"async_save": "false"}}, ["checkpoint.async_save", "'false'"]),
+    ({**BASE, "wall_clock_breakdown": "yes"}, ["wall_clock_breakdown", "'yes'"]),
+    ({**BASE, "zero_optimization": {"stage": "1"}}, ["zero_optimization.stage", "'1'"]),
+    ({**BASE, "zero_optimization": {"stage": True}}, ["zero_optimization.stage", "True"]),
+    ({**BASE, "steps_per_print": "10"}, ["steps_per_print", "'10'"]),
+    ({**BASE, "zero_optimization": {"allgather_bucket_size": 2.5}}, ["allgather_bucket_size", "2.5"]),
+    ({"train_micro_batch_size_per_gpu": "2"}, ["train_micro_batch_size_per_gpu", "'2'"]),
+    ({**BASE, "gradient_clipping": "1.0"}, ["gradient_clipping", "'1.0'"]),
+    ({**BASE, "fp16": {"enabled": True, "loss_scale": True}}, ["fp16.loss_scale", "True"]),
+    ({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": True}}}, ["optimizer.params.lr", "True"]),
+    ({**BASE, "optimizer": {"type": "AdamW", "params": {"amsgrad": "yes"}}}, ["optimizer.params.amsgrad", "'yes'"]),
+    ({**BASE, "optimizer": {"type": "SGD", "params": {"momentum": "0.9"}}}, ["optimizer.params.momentum", "'0.9'"]),
+    ({**BASE, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, "0.95"]}}}, ["optimizer.params.betas"]),
+    ({**BASE, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "10"}}},
+     ["scheduler.params.warmup_num_steps", "'10'"]),
+]
+
+
+@pytest.mark.parametrize("config,fragments", STRICT, ids=[f"strict{i}" for i in range(len(STRICT))])
+def test_values_are_not_coerced(config, fragments) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from: {message}"
+
+
+def test_json_numbers_that_mean_the_same_are_accepted() -> None:
+    cfg = load_config({**BASE, "gradient_clipping": 1, "comm_timeout_s": 60,
+                       "fp16": {"enabled": True, "loss_scale": 0, "min_loss_scale": 1},
+                       "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8,
+                                             "allgather_bucket_size": 2e8}})
+    assert cfg.gradient_clipping == 1.0 and isinstance(cfg.gradient_clipping, float)
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert isinstance(cfg.zero_optimization.reduce_bucket_size, int)
+
+
+def test_keys_accepted_and_ignored_are_listed_with_their_reason() -> None:
+    from zerokit.config import IGNORED, ignored_settings
+
+    cfg = load_config({**BASE, "zero_optimization": {
+        "stage": 2, "contiguous_gradients": False, "reduce_scatter": False,
+        "allgather_bucket_size": 1000, "overlap_comm": False}})
+    found = {path: (value, reason) for path, value, reason in ignored_settings(cfg)}
+    assert sorted(found) == ["zero_optimization.allgather_bucket_size",
+                             "zero_optimization.contiguous_gradients", "zero_optimization.reduce_scatter"]
+    assert found["zero_optimization.allgather_bucket_size"] == (
+        1000, IGNORED["zero_optimization.allgather_bucket_size"].reason)
+    assert found["zero_optimization.contiguous_gradients"][0] is False
+    # What zerokit always does is not reported; neither is a key the config does not set.
+    assert ignored_settings(load_config({**BASE, "zero_optimization": {
+        "contiguous_gradients": True, "reduce_scatter": True, "overlap_comm": False}})) == []
+    assert ignored_settings(load_config(BASE)) == []
+
+
+def test_an_ignored_key_is_one_table_line(monkeypatch) -> None:
+    """#17 lists DeepSpeed's sections zerokit has no use for: one line each, any value accepted."""
+    from zerokit.config import IGNORED, Ignored, ignored_settings
+
+    monkeypatch.setitem(IGNORED, "tensorboard", Ignored("zerokit writes no TensorBoard events"))
+    monkeypatch.setitem(IGNORED, "zero_optimization.round_robin_gradients", Ignored("no effect here"))
+    raw = {**BASE, "tensorboard": {"enabled": True, "output_path": "tb/"},
+           "zero_optimization": {"stage": 1, "round_robin_gradients": True}}
+    cfg = load_config(raw)
+    assert cfg.zero_optimization.stage == 1
+    assert raw["zero_optimization"] == {"stage": 1, "round_robin_gradients": True}  # not mutated
+    assert ignored_settings(cfg) == [
+        ("tensorboard", {"enabled": True, "output_path": "tb/"}, "zerokit writes no TensorBoard events"),
+        ("zero_optimization.round_robin_gradients", True, "no effect here")]
+    with pytest.raises(ConfigError, match="did you mean 'tensorboard'"):
+        load_config({**BASE, "tensorbaord": {}})

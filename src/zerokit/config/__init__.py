@@ -8,9 +8,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from zerokit.config.compat import ConfigError, describe
+from zerokit.config.ignored import IGNORED, Ignored, ignored_settings, strip_undeclared
 from zerokit.config.schema import ZeroKitConfig
 
-__all__ = ["ConfigError", "ZeroKitConfig", "load_config"]
+__all__ = ["ConfigError", "IGNORED", "Ignored", "ZeroKitConfig", "ignored_settings", "load_config"]
 
 
 def load_config(config: "ZeroKitConfig | dict[str, Any] | str | os.PathLike | None") -> ZeroKitConfig:
@@ -31,7 +32,10 @@ def load_config(config: "ZeroKitConfig | dict[str, Any] | str | os.PathLike | No
     if not isinstance(config, dict):
         raise ConfigError(
             f"config must be a dict, a JSON path or a ZeroKitConfig (got {type(config).__name__})")
+    config, ignored = strip_undeclared(config)
     try:
-        return ZeroKitConfig.model_validate(config)
+        cfg = ZeroKitConfig.model_validate(config)
     except ValidationError as e:
         raise describe(e, ZeroKitConfig) from None
+    cfg._ignored_raw = ignored
+    return cfg

@@ -38,21 +38,31 @@ def _valid_keys(model: type[BaseModel]) -> list[str]:
     return sorted(f.alias or name for name, f in model.model_fields.items())
 
 
+# What a strict type allows, in JSON's words (pydantic says "Input should be a valid boolean").
+_ALLOWED = {
+    "bool_type": "must be true or false (a JSON boolean; strings and numbers are not converted)",
+    "int_type": "must be a whole number (a JSON number; strings and booleans are not converted)",
+    "float_type": "must be a number (a JSON number; strings and booleans are not converted)",
+}
+
+
 def describe(error: ValidationError, root: type[BaseModel]) -> ConfigError:
     lines = []
     for item in error.errors():
         loc = tuple(str(p) for p in item["loc"])
         where = ".".join(loc) or "<config>"
         if item["type"] == "extra_forbidden":
+            from zerokit.config.ignored import ignored_keys_at
+
             parent = _model_at(root, loc)
-            valid = _valid_keys(parent) if parent else []
+            valid = sorted(_valid_keys(parent) + ignored_keys_at(loc[:-1])) if parent else []
             near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
             hint = f"; did you mean '{near[0]}'?" if near else ""
             lines.append(
                 f"unknown key '{where}'{hint} (valid keys here: {', '.join(valid)})"
             )
         else:
-            msg = item["msg"]
+            msg = _ALLOWED.get(item["type"], item["msg"])
             if msg.startswith("Value error, "):
                 msg = msg[len("Value error, "):]
             value = item.get("input")

@@ -1,13 +1,16 @@
 """The start-up plan: what is partitioned, what lives where, and the bytes per tier on this rank.
 
-Printed by rank 0 when training starts, so that a user sees the effective configuration (after
+Logged by rank 0 at `initialize` (report_startup), so that a user sees the effective configuration (after
 defaults and the batch-size rule) and the memory it implies before the first step runs.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+from zerokit.config.ignored import format_ignored, ignored_settings
 from zerokit.engine.optimizer import STATE_BYTES_PER_ELEMENT
+from zerokit.utils.logs import log
 
 if TYPE_CHECKING:
     from zerokit.engine.engine import Engine
@@ -15,6 +18,18 @@ if TYPE_CHECKING:
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
+
+
+def report_startup(engine: "Engine") -> None:
+    """Rank 0, once per initialize, through the "zerokit" logger (see utils/logs.py): the config
+    keys accepted and ignored (a warning, with each reason), then the plan."""
+    if engine.comm.rank != 0:
+        return
+    found = ignored_settings(engine.config)
+    if found:
+        log.warning(format_ignored(found))
+    if log.isEnabledFor(logging.INFO):
+        log.info(explain(engine))
 
 
 def explain(engine: "Engine") -> str:
@@ -37,14 +52,17 @@ def explain(engine: "Engine") -> str:
         f"  precision: compute {cfg.compute_dtype_name}, master fp32, gradient reduction "
         f"{str(units[0].reduce_dtype).replace('torch.', '')}"
         + (f", loss scale {engine.loss_scaler.scale:g} ({'dynamic' if engine.loss_scaler.dynamic else 'static'})"
-           if cfg.fp16.enabled else ""),
-        f"  batch: {engine.train_batch_size} = micro {engine.micro_batch_size} x accumulation "
-        f"{engine.gradient_accumulation_steps} x world {comm.world_size}",
+           if cfg.fp16.enabled else "")
+        + (", floating inputs cast to fp16 (fp16.auto_cast)" if cfg.fp16.auto_cast else ""),
+        f"  batch: {engine.train_batch_size()} = micro {engine.train_micro_batch_size_per_gpu()} x accumulation "
+        f"{engine.gradient_accumulation_steps()} x world {comm.world_size}",
         f"  parameters: {trainable:,} trainable, {frozen:,} frozen, in {len(units)} units "
         f"(largest: {largest.name}, {largest.numel:,})",
         f"  optimizer: {opt_name} over {masters:,} fp32 master elements on this rank; state {state_line}",
         f"  gradient clipping: {cfg.gradient_clipping or 'off'}; reduce buckets of "
-        f"{cfg.zero_optimization.reduce_bucket_size:,} elements",
+        f"{cfg.zero_optimization.reduce_bucket_size:,} elements, "
+        + ("overlapping backward" if cfg.zero_optimization.overlap_comm else
+           "each waited for as it starts (overlap_comm: false)"),
         *_offload_lines(engine),
         ledger.format(f"  bytes on rank {comm.rank} (before the first step)"),
     ]

@@ -6,13 +6,27 @@ the world size (the batch-size triple) are resolved by `ZeroKitConfig.resolve_ba
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    # strict: pydantic's lax mode turns "yes", "on" and 1 into True and "10" into 10, so a quoted
+    # or mistyped value would silently mean something. JSON ints stay valid for float fields.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, strict=True)
+
+
+def _whole_float_to_int(value: Any) -> Any:
+    """5e8 is how DeepSpeed configs write bucket sizes, and JSON makes it a float: a whole-number
+    float becomes that int; anything else goes on to the strict int check (and is refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Every int field: strict (no "10", no true), but 5e8 is 500000000.
+Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
 
 
 OptimizerType = Literal["Adam", "AdamW", "SGD", "Adagrad", "Lion"]
@@ -36,11 +50,20 @@ SCHEDULER_PARAMS: dict[str, set[str]] = {
 }
 
 
+# The params that are flags or names; every other param is a number (or, as betas, a list of them).
+FLAG_PARAMS = {"amsgrad", "adam_w_mode", "torch_adam", "fused", "nesterov"}
+NAME_PARAMS = {"warmup_type"}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_params(kind: str, type_: str, params: dict[str, Any], table: dict[str, set[str]]) -> None:
     import difflib
 
     allowed = table[type_]
-    for key in params:
+    for key, value in params.items():
         if key not in allowed:
             near = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.5)
             hint = f"; did you mean '{near[0]}'?" if near else ""
@@ -48,6 +71,20 @@ def _check_params(kind: str, type_: str, params: dict[str, Any], table: dict[str
                 f"unknown {kind} param '{key}' for type {type_}{hint} "
                 f"(valid: {', '.join(sorted(allowed))})"
             )
+        _check_param_value(f"{kind}.params.{key}", key, value)
+
+
+def _check_param_value(where: str, key: str, value: Any) -> None:
+    """The params pass through to torch untyped, so they get the schema's strictness here."""
+    if key in FLAG_PARAMS:
+        ok, allowed = isinstance(value, bool), "true or false"
+    elif key in NAME_PARAMS:
+        ok, allowed = isinstance(value, str), "a string"
+    else:
+        ok = _is_number(value) or (isinstance(value, (list, tuple)) and all(map(_is_number, value)))
+        allowed = "a number (or a list of numbers)"
+    if not ok:
+        raise ValueError(f"{where} must be {allowed} (got {value!r})")
 
 
 class OptimizerConfig(_Section):
@@ -58,7 +95,7 @@ class OptimizerConfig(_Section):
     def _known_params(self) -> "OptimizerConfig":
         _check_params("optimizer", self.type, self.params, OPTIMIZER_PARAMS)
         lr = self.params.get("lr", 1e-3)
-        if not isinstance(lr, (int, float)) or lr < 0:
+        if not _is_number(lr) or lr < 0:
             raise ValueError(f"optimizer.params.lr must be a number >= 0 (got {lr!r})")
         return self
 
@@ -78,9 +115,9 @@ class SchedulerConfig(_Section):
 class FP16Config(_Section):
     enabled: bool = False
     loss_scale: float = Field(0.0, ge=0, description="0 selects dynamic loss scaling.")
-    initial_scale_power: int = Field(16, ge=0, le=64)
-    loss_scale_window: int = Field(1000, ge=1)
-    hysteresis: int = Field(2, ge=1)
+    initial_scale_power: Int = Field(16, ge=0, le=64)
+    loss_scale_window: Int = Field(1000, ge=1)
+    hysteresis: Int = Field(2, ge=1)
     consecutive_hysteresis: bool = False
     min_loss_scale: float = Field(1.0, gt=0)
     auto_cast: bool = False
@@ -98,7 +135,7 @@ class DelayedUpdateConfig(_Section):
                            "THE MATH: gradients are computed on weights one update behind. With "
                            "Twin-Flow (ratio < 1) only the host part is delayed; the device part "
                            "is updated at once.")
-    warmup_steps: int = Field(10, ge=0, description="Normal (undelayed) steps before delaying.")
+    warmup_steps: Int = Field(10, ge=0, description="Normal (undelayed) steps before delaying.")
 
 
 class OffloadOptimizerConfig(_Section):
@@ -135,19 +172,19 @@ class OffloadParamConfig(_Section):
 
 
 class ZeroConfig(_Section):
-    stage: int = Field(0, ge=0, le=3, description="0: DDP, 1: optimizer state, 2: +gradients, 3: +weights.")
-    reduce_bucket_size: int = Field(500_000_000, gt=0, description="Elements per gradient collective.")
-    allgather_bucket_size: int = Field(500_000_000, gt=0, description="Elements per weight all-gather.")
+    stage: Int = Field(0, ge=0, le=3, description="0: DDP, 1: optimizer state, 2: +gradients, 3: +weights.")
+    reduce_bucket_size: Int = Field(500_000_000, gt=0, description="Elements per gradient collective.")
+    allgather_bucket_size: Int = Field(500_000_000, gt=0, description="Elements per weight all-gather.")
     overlap_comm: bool = Field(True, description="Reduce gradients while backward runs.")
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
-    stage3_prefetch_bucket_size: int = Field(
+    stage3_prefetch_bucket_size: Int = Field(
         50_000_000, ge=0, description="Elements gathered ahead of use (stage 3).")
-    stage3_max_live_parameters: int = Field(
+    stage3_max_live_parameters: Int = Field(
         1_000_000_000, gt=0, description="Most elements gathered at once, prefetch included.")
-    stage3_param_persistence_threshold: int = Field(
+    stage3_param_persistence_threshold: Int = Field(
         100_000, ge=0, description="Units this small stay gathered (no per-use collectives).")
-    stage3_max_reuse_distance: int = Field(
+    stage3_max_reuse_distance: Int = Field(
         1_000_000_000, ge=0, description="Keep a unit gathered if used again within this many elements.")
     reshard_after_forward: bool = Field(
         True, description="zerokit (FSDP's name): release a unit after its forward; False keeps "
@@ -174,9 +211,9 @@ class CheckpointConfig(_Section):
 
 
 class ZeroKitConfig(_Section):
-    train_batch_size: int | None = Field(None, gt=0)
-    train_micro_batch_size_per_gpu: int | None = Field(None, gt=0)
-    gradient_accumulation_steps: int | None = Field(None, gt=0)
+    train_batch_size: Int | None = Field(None, gt=0)
+    train_micro_batch_size_per_gpu: Int | None = Field(None, gt=0)
+    gradient_accumulation_steps: Int | None = Field(None, gt=0)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = FP16Config()
@@ -186,10 +223,16 @@ class ZeroKitConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
         None, description="dtype of gradient collectives; default fp32 for bf16, else the compute dtype.")
-    steps_per_print: int = Field(10, gt=0)
+    steps_per_print: Int = Field(10, gt=0)
     wall_clock_breakdown: bool = False
     comm_timeout_s: float = Field(
         1800.0, gt=0, description="zerokit: a collective that waits longer fails, naming the step.")
+    # Keys config/ignored.py accepted without a schema field, {path: value}, for the start-up report.
+    _ignored_raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def ignored_raw(self) -> dict[str, Any]:
+        return self._ignored_raw
 
     @model_validator(mode="after")
     def _no_contradictions(self) -> "ZeroKitConfig":

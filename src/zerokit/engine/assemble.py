@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.config import load_config
+from zerokit.config.plan import report_startup
 from zerokit.core.collectives import Comm
 from zerokit.core.devices import model_device_of
 from zerokit.core.ds_params import attach_ds_views
@@ -19,6 +20,7 @@ from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.schedulers import build_scheduler
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tiers import Ledger
+from zerokit.utils.logs import configure_logging
 from zerokit.zero import adopt_constructed, retire_constructed
 
 
@@ -37,6 +39,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     # Before anything allocates: under a launcher each rank's GPU is its LOCAL_RANK; alone on a
     # CUDA machine, the GPU the model is on (else cuda:0); see core/devices.py.
     comm = Comm.from_environment(cfg.comm_timeout_s, model_device_of(model))
+    configure_logging(comm.rank)
     batch = cfg.resolve_batch(comm.world_size)
     policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
     placement = PlacementPolicy.from_config(cfg.zero_optimization)
@@ -79,6 +82,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     if policy.shard_weights:
         attach_ds_views(model, units)  # see [Note: ds_* views]
     engine.offload, engine.placement = stepper, placement
+    report_startup(engine)
     dataloader = _dataloader(training_data, batch[1], comm, collate_fn)
     engine.training_dataloader = dataloader
     return engine, torch_optimizer, dataloader, scheduler
@@ -101,7 +105,8 @@ def _offload(units: list[Unit], placement: PlacementPolicy, device: torch.device
         from zerokit.engine.auto_ratio import choose_ratio
 
         ratio, why = choose_ratio(units, device, (4 if dtype != torch.float32 else 0) + 8 + 4)
-        logging.getLogger("zerokit").info("offload_optimizer.ratio auto: %s", why)
+        # Rank 0's reason is in the start-up plan (placement.describe); each rank's at debug.
+        logging.getLogger("zerokit").debug("offload_optimizer.ratio auto: %s", why)
         placement = dataclasses.replace(placement, ratio=ratio, auto=False, auto_reason=why)
     if not placement.offloads:
         return None, placement

@@ -20,7 +20,7 @@ from zerokit.core.collectives import Comm, Handle
 from zerokit.core.unit import Unit
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
 from zerokit.engine.optimizer import state_bytes
-from zerokit.engine.precision import LossScaler
+from zerokit.engine.precision import LossScaler, cast_inputs_half
 from zerokit.engine.throughput import ThroughputTimer
 from zerokit.policy import PartitionPolicy
 from zerokit.schedule import Stage3Scheduler
@@ -60,7 +60,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._pending_bytes = 0
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
         # Gradients of at most two buckets in flight: enough to overlap, bounded in memory.
-        self._max_pending_bytes = 2 * config.zero_optimization.reduce_bucket_size * 4
+        # overlap_comm=false (DeepSpeed's meaning): wait for each reduction as soon as it starts.
+        self._max_pending_bytes = (2 * config.zero_optimization.reduce_bucket_size * 4
+                                   if config.zero_optimization.overlap_comm else 0)
         self._state_tier = ledger._tier(units[0].flat, None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u, i))
                        for u in units if u.trainable for i, s in enumerate(u.slots)
@@ -109,6 +111,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.tput_timer.start()
         t0 = time.perf_counter()
+        if self.config.fp16.auto_cast:
+            args = cast_inputs_half(args)
         out = self.module(*args, **kwargs)
         self._timers["forward"] += time.perf_counter() - t0
         return out

@@ -16,6 +16,20 @@ from zerokit.config.schema import ZeroKitConfig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def cast_inputs_half(inputs: Any) -> Any:
+    """fp16.auto_cast, as DeepSpeed's engine._cast_inputs_half: floating tensors among the forward's
+    positional inputs (through lists, tuples and dicts) become fp16; keyword arguments, integer
+    tensors and everything else pass unchanged."""
+    if isinstance(inputs, (list, tuple)):
+        cast = [cast_inputs_half(v) for v in inputs]
+        return type(inputs)(*cast) if hasattr(inputs, "_fields") else type(inputs)(cast)
+    if isinstance(inputs, dict):
+        return {k: cast_inputs_half(v) for k, v in inputs.items()}
+    if torch.is_tensor(inputs) and inputs.is_floating_point():
+        return inputs.half()
+    return inputs
+
+
 def compute_dtype(config: ZeroKitConfig) -> torch.dtype:
     return DTYPES[config.compute_dtype_name]
 
