@@ -209,9 +209,7 @@ class Engine(nn.Module):
             for u in trainable:
                 u.master_grad.mul_(coef)
         self._run_optimizer(trainable, coef)
-        # In the order forward will need them; each unit's forward pre-hook waits for its own.
-        for u in sorted(trainable, key=lambda u: u.module is not self.module):
-            u.publish_weights()
+        self._publish(trainable)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.ledger.hold_bytes("optimizer", "optimizer_state", self._state_tier,
@@ -266,20 +264,30 @@ class Engine(nn.Module):
         """
         for u in trainable:
             u.master.grad = None
-        if not isinstance(error, Exception) or isinstance(error, CollectiveError):
-            return  # ranks may disagree on where they are: no further collective is safe
-        if self.offload is not None:
-            self.offload.before_step()  # join any host update still running, write it back
-        for u in sorted(trainable, key=lambda u: u.module is not self.module):
-            u.publish_weights()
-        self._clear_grads()
-        self.wait_for_weights()
-        note = (f"zerokit: engine.step() at global step {self.global_steps} failed; its gradients "
-                f"were discarded and the weights republished from the fp32 masters (any update "
-                f"the optimizer applied before raising stays). The engine can train on.")
-        if hasattr(error, "add_note"):
+        if not isinstance(error, Exception):
+            return  # KeyboardInterrupt and the like: the process is going down
+        if isinstance(error, CollectiveError):  # no further collective is safe
+            note = (f"zerokit: engine.step() at global step {self.global_steps} failed in a "
+                    f"collective; the ranks may no longer agree, so this engine cannot train on: "
+                    f"restart the job (from the last checkpoint).")
+        else:
+            if self.offload is not None:
+                self.offload.before_step()  # join any host update still running, write it back
+            self._publish(trainable)
+            self._clear_grads()
+            self.wait_for_weights()
+            note = (f"zerokit: engine.step() at global step {self.global_steps} failed; its "
+                    f"gradients were discarded and the weights republished from the fp32 masters "
+                    f"(any update the optimizer applied before raising stays). The engine can "
+                    f"train on.")
+        if hasattr(error, "add_note"):  # Python 3.11+
             error.add_note(note)
         log.error(note)
+
+    def _publish(self, trainable: list[Unit]) -> None:
+        """New master -> compute weights -> every rank, in the order forward will need them."""
+        for u in sorted(trainable, key=lambda u: u.module is not self.module):
+            u.publish_weights()
 
     def _report_progress(self, overflow: bool) -> None:
         """DeepSpeed's steps_per_print line (and wall_clock_breakdown timers), on rank 0."""

@@ -2,8 +2,9 @@
 
 With fp16, static or dynamic scale alike, a step whose gradients overflowed is skipped on every
 rank (DeepSpeed's FP16 and ZeRO optimizers check either way). Dynamic loss scaling follows
-DeepSpeed's DynamicLossScaler exactly: the scale is divided by 2 once `hysteresis` overflows have been absorbed
-(never below min_loss_scale); after `loss_scale_window` iterations without overflow it doubles.
+DeepSpeed's DynamicLossScaler exactly: the scale is divided by 2 once `hysteresis` overflows have
+been absorbed (never below min_loss_scale); after `loss_scale_window` iterations without overflow
+it doubles.
 """
 from __future__ import annotations
 
