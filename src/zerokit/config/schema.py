@@ -189,6 +189,12 @@ class ZeroConfig(_Section):
     reshard_after_forward: bool = Field(
         True, description="zerokit (FSDP's name): release a unit after its forward; False keeps "
                           "it gathered until its backward, trading memory for one all-gather.")
+    async_weight_publish: bool = Field(
+        False, description="zerokit: step() returns while the new weights are still being "
+                           "all-gathered (stages 1-2, and stage 3's gathered units), which overlaps "
+                           "that gather with the next forward. Parameters are valid only inside "
+                           "forward: code that reads them after step() (an EMA, logging, a hash, a "
+                           "hand-made state dict) may see a mix of old and new weights.")
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
 

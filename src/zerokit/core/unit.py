@@ -30,6 +30,21 @@ visibly wrong, and writing to it raises. Gathering points the parameters back in
                 gradients are reduced only there (stage < 2, 16-bit compute, accumulation > 1):
                 16-bit running sums would lose what DeepSpeed's fp32 accumulation keeps. At
                 stage 0 it is `master_grad` itself.
+
+[Note: one reduction, one meaning]
+Below stage 2 a rank's gradients are summed locally over the micro-steps (in `grad_acc` where it
+exists, else in `grad_flat`) and reduced once, at the boundary: the reduced average *is* the
+step's gradient, so it is written into `master_grad`, never added to it. From stage 2 on, every
+micro-step is reduced and each average is added into `master_grad`. Written this way, the aliases
+above (stage 0: `master_grad` is `grad_flat` in fp32, is `grad_acc` with 16-bit accumulation) are
+harmless whatever the reduce dtype: the collective runs in place on the local sum, or on a copy
+of it in the reduce dtype that is then written back over it. Adding instead would leave
+`master_grad` = local sum + global average wherever the local sum lives in `master_grad` and
+crosses in another dtype (issue #14).
+
+`master.grad` is linked to `master_grad` by the engine only while the optimizer steps (see
+Engine._run_optimizer): user code that resets `.grad` between steps (`optimizer.zero_grad()`)
+then neither unlinks nor zeroes what the step reads.
 """
 from __future__ import annotations
 
@@ -183,7 +198,6 @@ class Unit:
         else:
             self.master_grad = self.ledger.hold(
                 f"{self.name}/master_grad", "grads", torch.zeros(b - a, dtype=torch.float32, device=device))
-        self.master.grad = self.master_grad
         if self.grad_flat is not None and self.compute_dtype != torch.float32 and self.grad_accum_steps > 1:
             self.grad_acc = self.master_grad if not self.policy.shard_optimizer else self.ledger.hold(
                 f"{self.name}/grad_acc", "grads", torch.zeros(self.padded_numel, dtype=torch.float32,
@@ -212,8 +226,10 @@ class Unit:
         if self.grad_flat is not None:
             view = self.grad_flat[slot.offset:slot.offset + slot.numel]
             if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                # Someone reset .grad (model.zero_grad()); autograd then handed us a new tensor.
-                view.copy_(param.grad.reshape(-1)) if param.grad is not None else view.zero_()
+                # Someone reset .grad (model.zero_grad()) and autograd handed us a new tensor with
+                # this backward's gradient only: the view still holds the earlier micro-steps'.
+                if param.grad is not None:
+                    view.add_(param.grad.reshape(-1))
                 param.grad = view.view(slot.shape)
         self._ready.add(index)
         self.used = True
@@ -254,9 +270,7 @@ class Unit:
                 part = full[lo:lo + step]
                 handles.append(comm.all_reduce_(part, self._where(lo, step), average=True, async_op=True,
                                                 unit=self.index))
-            in_place = full.data_ptr() == self.master_grad.data_ptr()
-            after = release if in_place else (lambda: (self.master_grad.add_(full), release()))
-            return _join(handles, after)
+            return _join(handles, lambda: (self._deliver(self.master_grad, full), release()))
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         chunk = max(ALIGN, -(-self.bucket_numel // (world * ALIGN)) * ALIGN)
         rows = full.view(world, self.shard_numel)
@@ -277,11 +291,21 @@ class Unit:
         """Add elements [lo, hi) of this rank's reduced gradient shard to the master gradient,
         wherever each element's master lives (host part first, then the device part)."""
         k = self.host_numel
-        if lo < k:
+        if lo < k:  # adds: the host gradient is zeroed after every step (one reduction: written)
             self.host.take_grad(out[lo:min(hi, k)], lo)
         if hi > k:
             start = max(lo, k)
-            self.master_grad[start - k:hi - k].add_(out[start:hi])
+            self._deliver(self.master_grad[start - k:hi - k], out[start:hi])
+
+    def _deliver(self, dest: torch.Tensor, reduced: torch.Tensor) -> None:
+        """See [Note: one reduction, one meaning]: write where reduced once per step, add where
+        reduced every micro-step; nothing to do where the collective ran in `dest` itself."""
+        if dest.data_ptr() == reduced.data_ptr() and dest.dtype == reduced.dtype:
+            return
+        if self.policy.shard_gradients:
+            dest.add_(reduced)
+        else:
+            dest.copy_(reduced)
 
     def _where(self, lo: int, step: int) -> str:
         return f"unit '{self.name}'" if step >= self.padded_numel else \
@@ -308,8 +332,10 @@ class Unit:
         """After the optimizer step: new master -> compute weights -> every rank (asynchronous).
 
         [Note: weights in flight] While GATHERING, the parts of `flat` other ranks own are being
-        gathered and must not be read: the engine waits in the unit's forward pre-hook, before
-        any state_dict, and before the next backward or step.
+        gathered and must not be read: the engine waits before `step()` returns (user code may
+        read any parameter then), so the gathers overlap only the rest of the step. With
+        zero_optimization.async_weight_publish it waits later instead: in the unit's forward
+        pre-hook, before any state_dict, and before the next backward or step.
         """
         k = self.host_numel  # the host part was written back by the offload executor
         if self.shard is not None:  # stage 3: the shard is the weights' home

@@ -177,7 +177,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     # ---- step ---------------------------------------------------------------------------------
     def step(self) -> None:
-        """Update the weights at the accumulation boundary; otherwise only count the micro-step."""
+        """Update the weights at the accumulation boundary; otherwise only count the micro-step.
+
+        When it returns, every parameter the user can reach holds the new weights (see
+        [Note: weights in flight]), unless zero_optimization.async_weight_publish is set.
+        """
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self._micro_batch_size * self.comm.world_size
@@ -189,53 +193,116 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         # Every collective so far agreed across ranks, before the step applies their results
         # (on CUDA the checks still in flight are waited here, where the norm / flags sync anyway).
         self.comm.settle_agreement()
-        if self.offload is not None:  # host gradients landed; a delayed update joined
-            self.offload.before_step()
         trainable = [u for u in self.units if u.trainable]
-        scale = self.loss_scaler.scale
-        coef = 1.0 / scale
-        overflow = False
-        clip = self.config.gradient_clipping
-        self._last_grad_norm = None
-        if clip > 0 or self.loss_scaler.dynamic:
-            norm = self._global_grad_norm(trainable)  # of the scaled gradients
-            overflow = not math.isfinite(norm)
-            self._last_grad_norm = norm / scale
-            if clip > 0 and not overflow:
-                clip_coef = clip / (norm / scale + 1e-6)
-                if clip_coef < 1.0:
-                    coef *= clip_coef
-        if overflow and self.loss_scaler.dynamic:
-            self.skipped_steps += 1
-            if self.offload is not None:
-                self.offload.publish_written()
-        else:
-            if coef != 1.0:
-                for u in trainable:
-                    u.master_grad.mul_(coef)
-            unused = self._unused_everywhere(trainable)
-            for u in unused:  # torch skips parameters without a gradient; so do we, per unit
-                u.master.grad = None
-            if self.offload is not None:  # host parts: coef fused into the kernel, not multiplied above
-                self.offload.launch(coef, set(unused))
-            self.optimizer.step()  # the device parts, while the host parts step in a worker
-            if self.offload is not None:
-                self.offload.finish()
-            for u in unused:
-                u.master.grad = u.master_grad
-            # In the order forward will need them; each unit's forward pre-hook waits for its own.
-            for u in sorted(trainable, key=lambda u: u.module is not self.module):
-                u.publish_weights()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            self.ledger.hold_bytes("optimizer", "optimizer_state", self._state_tier,
-                                   state_bytes(self.optimizer))
+        try:
+            overflow = self._update(trainable)
+        except BaseException as error:
+            self._abandon_step(trainable, error)
+            raise
         self.loss_scaler.update(overflow)
         self.global_steps += 1
-        self.zero_grad()
+        self._clear_grads()  # while the new weights are gathered
+        if not self.config.zero_optimization.async_weight_publish:
+            self.wait_for_weights()
         self._timers["step"] += time.perf_counter() - t0
         if self.global_steps % self.config.steps_per_print == 0:
             self._report_progress(overflow)
+
+    def _update(self, trainable: list[Unit]) -> bool:
+        """Unscale, clip, step and publish; True if the step was skipped for an overflow."""
+        if self.offload is not None:  # host gradients landed; a delayed update joined
+            self.offload.before_step()
+        coef, overflow = self._gradient_coef(trainable)
+        if overflow:  # static or dynamic loss scale alike, as DeepSpeed
+            self.skipped_steps += 1
+            if self.offload is not None:
+                self.offload.publish_written()
+            return True
+        if coef != 1.0:
+            for u in trainable:
+                u.master_grad.mul_(coef)
+        self._run_optimizer(trainable, coef)
+        self._publish(trainable)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.ledger.hold_bytes("optimizer", "optimizer_state", self._state_tier,
+                               state_bytes(self.optimizer))
+        return False
+
+    def _gradient_coef(self, trainable: list[Unit]) -> tuple[float, bool]:
+        """(factor that unscales and clips the gradients, whether they overflowed)."""
+        scale = self.loss_scaler.scale
+        coef = 1.0 / scale
+        clip = self.config.gradient_clipping
+        self._last_grad_norm = None  # get_global_grad_norm() after the step reads it
+        if clip <= 0 and not self.loss_scaler.checks_overflow:
+            return coef, False
+        norm = self._global_grad_norm(trainable)  # of the scaled gradients
+        self._last_grad_norm = norm / scale
+        if not math.isfinite(norm):
+            return coef, True
+        if clip > 0:
+            clip_coef = clip / (norm / scale + 1e-6)
+            if clip_coef < 1.0:
+                coef *= clip_coef
+        return coef, False
+
+    def _run_optimizer(self, trainable: list[Unit], coef: float) -> None:
+        """Step the device parts with torch's optimizer while the host parts step in a worker.
+
+        The optimizer reads `master.grad`, which user code may have reset since the last step
+        (torch's `optimizer.zero_grad()` sets it to None): link it here, for this call only.
+        Units no rank produced a gradient for keep None, so torch skips them, as it skips
+        parameters without a gradient.
+        """
+        unused = set(self._unused_everywhere(trainable))
+        for u in trainable:
+            u.master.grad = None if u in unused else u.master_grad
+        try:
+            if self.offload is not None:  # host parts: coef fused into the kernel
+                self.offload.launch(coef, unused)
+            self.optimizer.step()
+        finally:
+            for u in trainable:
+                u.master.grad = None
+            if self.offload is not None:  # joins the host worker (unless the update is delayed)
+                self.offload.finish()
+
+    def _abandon_step(self, trainable: list[Unit], error: BaseException) -> None:
+        """The update raised: leave the engine as after a skipped step and say so.
+
+        This step's gradients are discarded, the weights are published from the fp32 masters
+        (so every rank's parameters are whatever the optimizer left in them), and the counters,
+        the LR scheduler and the loss scale stay as they were. Training can go on with the next
+        batch; updates the optimizer had already applied to some parameters (or the host part
+        of an offloaded shard) before raising cannot be undone, and stay.
+        """
+        for u in trainable:
+            u.master.grad = None
+        if not isinstance(error, Exception):
+            return  # KeyboardInterrupt and the like: the process is going down
+        if isinstance(error, CollectiveError):  # no further collective is safe
+            note = (f"zerokit: engine.step() at global step {self.global_steps} failed in a "
+                    f"collective; the ranks may no longer agree, so this engine cannot train on: "
+                    f"restart the job (from the last checkpoint).")
+        else:
+            if self.offload is not None:
+                self.offload.before_step()  # join any host update still running, write it back
+            self._publish(trainable)
+            self._clear_grads()
+            self.wait_for_weights()
+            note = (f"zerokit: engine.step() at global step {self.global_steps} failed; its "
+                    f"gradients were discarded and the weights republished from the fp32 masters "
+                    f"(any update the optimizer applied before raising stays). The engine can "
+                    f"train on.")
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(note)
+        log.error(note)
+
+    def _publish(self, trainable: list[Unit]) -> None:
+        """New master -> compute weights -> every rank, in the order forward will need them."""
+        for u in sorted(trainable, key=lambda u: u.module is not self.module):
+            u.publish_weights()
 
     def _report_progress(self, overflow: bool) -> None:
         """DeepSpeed's steps_per_print line (and wall_clock_breakdown timers), on rank 0."""
@@ -270,6 +337,15 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return math.sqrt(total.item()) if math.isfinite(total.item()) else math.inf
 
     def zero_grad(self) -> None:
+        """Kept for loops written for torch or DeepSpeed; discards nothing.
+
+        Gradients are the engine's: it clears them at the end of every step (an overflowing one
+        too). Called anywhere else (between accumulation micro-steps, between backward and step),
+        clearing would discard gradients the coming step needs, which DeepSpeed's ZeRO optimizers
+        never do either.
+        """
+
+    def _clear_grads(self) -> None:
         for u in self.units:
             if u.trainable:
                 u.zero_grad()

@@ -202,6 +202,5 @@ def place_units(units: list, placement: PlacementPolicy) -> list[HostShard]:
             u.ledger.hold(f"{u.name}/master", "master", u.master)
         u.master_grad = u.ledger.hold(f"{u.name}/master_grad", "grads",
                                       torch.zeros(b - a - k, dtype=torch.float32, device=u.device))
-        u.master.grad = u.master_grad
         shards.append(u.host)
     return shards

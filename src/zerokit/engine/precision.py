@@ -1,8 +1,10 @@
 """Compute dtype, loss scaling and overflow handling.
 
-Dynamic loss scaling follows DeepSpeed's DynamicLossScaler exactly: on an overflow the step is
-skipped on every rank; the scale is divided by 2 once `hysteresis` overflows have been absorbed
-(never below min_loss_scale); after `loss_scale_window` iterations without overflow it doubles.
+With fp16, static or dynamic scale alike, a step whose gradients overflowed is skipped on every
+rank (DeepSpeed's FP16 and ZeRO optimizers check either way). Dynamic loss scaling follows
+DeepSpeed's DynamicLossScaler exactly: the scale is divided by 2 once `hysteresis` overflows have
+been absorbed (never below min_loss_scale); after `loss_scale_window` iterations without overflow
+it doubles.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class LossScaler:
     cur_iter: int = 0
     last_overflow_iter: int = -1
     cur_hysteresis: int = 2
+    checks_overflow: bool = False  # fp16, static or dynamic scale: a non-finite gradient skips the step
 
     @classmethod
     def from_config(cls, config: ZeroKitConfig) -> "LossScaler":
@@ -61,8 +64,8 @@ class LossScaler:
         if not fp16.enabled:
             return cls()
         if fp16.loss_scale > 0:
-            return cls(scale=float(fp16.loss_scale))
-        return cls(scale=float(2 ** fp16.initial_scale_power), dynamic=True,
+            return cls(scale=float(fp16.loss_scale), checks_overflow=True)
+        return cls(scale=float(2 ** fp16.initial_scale_power), dynamic=True, checks_overflow=True,
                    window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
                    consecutive_hysteresis=fp16.consecutive_hysteresis,
                    min_scale=fp16.min_loss_scale, cur_hysteresis=fp16.hysteresis)
