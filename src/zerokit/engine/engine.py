@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from zerokit.checkpoint.save import settle_checkpoint
 from zerokit.config.schema import ZeroKitConfig
-from zerokit.core.collectives import Comm, Handle
+from zerokit.core.collectives import CollectiveError, Comm, Handle
 from zerokit.core.unit import Unit
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
 from zerokit.engine.optimizer import state_bytes
