@@ -195,6 +195,18 @@ class HostStepper:
         self._worker = finished
         self._stepped = list(self.shards)
 
+    def close(self) -> None:
+        """The engine is released (see [Note: engine lifetime]): let an update in flight finish,
+        so its thread ends, and forget it; nothing is written back, the weights stay as they are."""
+        if self._worker is not None:
+            self._worker.join()
+            self._worker, self._error = None, None
+        if self._copied is not None:  # host -> device weight copies still read host buffers
+            self._copied.synchronize()
+            self._copied = None
+        self._stepped, self._written = [], []
+        _LIVE.discard(self)
+
     def device_bytes_saved(self) -> int:
         """Device bytes this rank no longer holds: optimizer state and gradient of the host parts,
         and their fp32 master where it was a separate copy (16-bit compute)."""
