@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import run_world
-from reference import engine_train, global_batches, tiny_gpt
+from reference import engine_train, global_batches, reference_train, tiny_gpt
 
 STEPS, MICRO, LR = 4, 2, 1e-3
 OPT = {"AdamW": {"lr": LR, "weight_decay": 0.1}, "Adagrad": {"lr": 1e-2, "weight_decay": 0.01},
@@ -30,7 +30,7 @@ EXTRA = [(2, "fp16", 1, "AdamW", ""), (2, "bf16", 2, "AdamW", ""), (1, "bf16", 2
          (1, "fp32", 1, "AdamW", "user_adam")]
 RATIOS = {case: (1.0, 0.4) for case in BASE + EXTRA}
 RATIOS.update({(2, "fp32", 1, "AdamW", ""): (0.0, 0.4, 1.0), (2, "bf16", 1, "AdamW", ""): (0.0, 0.4, 1.0, "auto"),
-               (3, "fp32", 1, "Lion", ""): (1.0,)})
+               (3, "fp32", 1, "Lion", ""): (1.0, 0.4, 0.0)})
 
 
 def _config(stage, dtype, gas, opt, extra, ratio, delayed=None) -> dict:
@@ -226,6 +226,94 @@ def test_delayed_update_matches_stale_reference(world: int) -> None:
                 for name, w in ref.items():
                     torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6,
                                                msg=lambda m: f"stage {stage} ratio {ratio} {name}: {m}")
+
+
+# ---- Lion on the device (torch) and on the host (native kernel) -------------------------------
+class PublishedLion(torch.optim.Optimizer):
+    """Lion as published (Chen et al. 2023, Algorithm 2), plain torch per tensor: the reference."""
+
+    def __init__(self, params, lr: float, weight_decay: float, betas=(0.9, 0.99)):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=betas))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                p.mul_(1 - lr * wd)
+                p.add_((m * b1 + p.grad * (1 - b1)).sign(), alpha=-lr)
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+LION_SPLITS = {0: (None,), 1: (None, 0.4), 2: (None, 0.0, 0.4, 1.0), 3: (None, 0.0, 0.4, 1.0)}
+
+
+def _lion_world(rank: int, world: int) -> dict:
+    return {(stage, ratio): _train(rank, world, _config(stage, "fp32", 1, "Lion", "", ratio))[:2]
+            for stage, ratios in LION_SPLITS.items() for ratio in ratios}
+
+
+def test_lion_at_every_stage_and_split_matches_one_process_reference() -> None:
+    """optimizer {type: Lion}: torch's Lion steps the device part, the native kernel the host part
+    (Twin-Flow 0 < r < 1 has both); every stage, with and without offload, equals torch Lion on
+    the whole model in one process."""
+    world = 2
+    ref_losses, ref = reference_train(tiny_gpt, lambda ps: PublishedLion(ps, **OPT["Lion"]),
+                                      global_batches(STEPS, MICRO * world), clip=1.0)
+    lr = OPT["Lion"]["lr"]
+    for rank_result in run_world(_lion_world, world, timeout=300):
+        for (stage, ratio), (losses, weights) in rank_result.items():
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
+            for name, w in ref.items():
+                torch.testing.assert_close(weights[name], w, rtol=1e-6, atol=lr * 1e-4,
+                                           msg=lambda m: f"stage {stage} ratio {ratio} {name}: {m}")
+
+
+_CUDA_LION = """if True:
+    import json, sys, torch, zerokit
+    sys.path[:0] = sys.argv[1:3]
+    from reference import engine_train, global_batches, tiny_gpt
+    from test_offload import _config
+    out = {}
+    for stage, ratio in [(1, None), (2, 1.0), (2, 0.4), (3, 0.4), (3, 1.0)]:
+        engine, *_ = zerokit.initialize(model=tiny_gpt(), config=_config(stage, "fp32", 1, "Lion", "", ratio))
+        assert engine.comm.device.type == "cuda"
+        engine_train(engine, global_batches(4, 2), 0, 1)
+        sd = engine.consolidated_fp32_state_dict()
+        out[f"{stage}-{ratio}"] = {k: v.cpu().tolist() for k, v in sd.items()}
+        engine.destroy()
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the device part of Lion)")
+def test_lion_with_a_cuda_device_part(tmp_path) -> None:
+    """One NCCL rank on the GPU: Lion's device part (empty at ratio 1, a share at 0.4) steps."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _CUDA_LION, here, os.path.join(here, "dist")],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=here)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    _, ref = reference_train(tiny_gpt, lambda ps: PublishedLion(ps, **OPT["Lion"]),
+                             global_batches(4, 2), clip=1.0)
+    for case, weights in results.items():
+        for name, w in ref.items():
+            # GPU and CPU kernels of the forward differ by float noise; Lion moves by +-lr, so
+            # a bound far below lr still catches a wrong update.
+            torch.testing.assert_close(torch.tensor(weights[name]), w, rtol=0, atol=OPT["Lion"]["lr"] / 10,
+                                       msg=lambda m: f"{case} {name}: {m}")
 
 
 # ---- errors ------------------------------------------------------------------------------------

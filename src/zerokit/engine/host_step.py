@@ -21,11 +21,12 @@ from typing import Any, Callable
 import torch
 
 from zerokit.engine.offload import HostShard
-from zerokit.optim import HostAdagrad, HostAdam, HostLion
+from zerokit.optim import HostAdagrad, HostAdam, HostLion, Lion
 from zerokit.optim import host as K
 from zerokit.policy import PlacementPolicy
 
-SUPPORTED = "Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/AdamW/Adagrad instances"
+SUPPORTED = ("Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/AdamW/Adagrad and "
+             "zerokit.optim.Lion instances")
 
 
 def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostShard, dict, float], None]]:
@@ -47,7 +48,7 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostSha
                            weight_decay=g["weight_decay"], step=s.steps, lr_decay=g["lr_decay"],
                            grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
         return "adagrad", adagrad
-    if kind is HostLion:
+    if kind in (HostLion, Lion):
         def lion(s: HostShard, g: dict, coef: float) -> None:
             b1, b2 = g["betas"]
             K.lion_step(s.master, s.grad_in_flight, s.state["exp_avg"], lr=g["lr"], beta1=b1,
@@ -95,9 +96,6 @@ class HostStepper:
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         for s in self.shards:
             s.group = group_of[id(s.unit.master)]
-            if self.family == "lion" and s.unit.device.type != "cpu" and s.unit.master.numel():
-                raise ValueError("offload_optimizer: Lion's device part would need a device Lion, "
-                                 "which zerokit lacks; use ratio 1 with Lion")
             fill = optimizer.param_groups[s.group].get("initial_accumulator_value", 0.0)
             s.init_state(self.family, fill if self.family == "adagrad" else 0.0)
 
