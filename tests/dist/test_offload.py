@@ -401,3 +401,49 @@ def test_exit_with_a_delayed_update_in_flight_is_clean() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "terminate called" not in out.stderr, (out.returncode, out.stderr[-2000:])
     assert "in flight: True" in out.stdout
+
+
+# ---- ratio "auto": the decision follows the measured rates ---------------------------------------
+@pytest.mark.parametrize("host,device,free_fraction,want", [
+    (1e9, 3e9, None, 0.25), (2e8, 2e8, None, 0.5), (3e9, 1e9, None, 0.75),  # balanced: h / (h + d)
+    (1e9, 3e9, 4.0, 0.25),     # the device part fits easily: the balance stands
+    (1e9, 3e9, 0.5, 0.75),     # half the need free: 1 - 0.5 * 0.5 = 0.75 on the host at least
+    (3e9, 1e9, 1.0, 0.75),     # floor 0.5 below the balance 0.75: the balance stands
+    (1e9, 1e9, 0.0, 1.0),      # no device memory free: everything on the host
+])
+def test_auto_ratio_balances_the_measured_rates(host, device, free_fraction, want) -> None:
+    from zerokit.engine.auto_ratio import balance
+
+    need = 16 * 10_000
+    ratio, why = balance(host, device, need, None if free_fraction is None else int(free_fraction * need))
+    assert ratio == pytest.approx(want, abs=1e-12), why
+    assert ("raised to" in why) == (want > host / (host + device) + 1e-12), why
+
+
+@pytest.mark.parametrize("host,device,free_fraction", [(1e9, 3e9, None), (3e9, 1e9, None), (1e9, 3e9, 0.5)])
+def test_auto_ratio_uses_the_measured_rates(monkeypatch, host, device, free_fraction) -> None:
+    """initialize() places what the decision says for the rates measured (injected here) and the
+    device memory free (simulated: a CPU run has no floor of its own)."""
+    import zerokit
+    from zerokit.engine import auto_ratio
+
+    monkeypatch.setattr(auto_ratio, "measure_rates", lambda dev: (host, device))
+    need = {}
+
+    def free(dev):
+        return None if free_fraction is None else int(free_fraction * need["bytes"])
+    monkeypatch.setattr(auto_ratio, "device_free_bytes", free)
+    model = tiny_gpt()
+    # bf16: fp32 master 4 + Adam 8 + gradient 4 bytes per optimizer element on the device.
+    need["bytes"] = 16 * sum(p.numel() for p in model.parameters())
+    engine, *_ = zerokit.initialize(model=model, config=_config(2, "bf16", 1, "AdamW", "", "auto"))
+    balanced = host / (host + device)
+    opt_numel = sum(u.opt_range[1] - u.opt_range[0] for u in engine.units)
+    # The need is counted over the padded optimizer ranges, as the engine lays them out.
+    want = balanced if free_fraction is None else max(balanced, 1 - 0.5 * free_fraction * need["bytes"] /
+                                                      (16 * opt_numel))
+    assert engine.placement.ratio == pytest.approx(want, abs=1e-9), engine.placement.auto_reason
+    assert f"{host / 1e6:.0f} M elements/s" in engine.placement.auto_reason
+    host_numel = sum(u.host_numel for u in engine.units)
+    assert abs(host_numel - want * opt_numel) <= 64 * len(engine.units), (host_numel, want, opt_numel)
+    engine.destroy()
