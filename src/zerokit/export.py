@@ -19,6 +19,14 @@ from zerokit.core.unit import WeightState
 if TYPE_CHECKING:
     from zerokit.engine.engine import Engine
 
+
+def _behind_master(engine: "Engine", unit) -> bool:
+    """With the delayed host update, the weights of a unit's host part are written back only at
+    the next step, while consolidated_fp32_state_dict already reads the updated master (waiting
+    for the update in flight): the export must agree with it. The same on every rank."""
+    return unit.host is not None and engine.offload is not None and engine.offload.pending_write_back
+
+
 def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "model.safetensors",
                      max_shard_bytes: int = 5 * 2**30, exclude_frozen_parameters: bool = False) -> list[str]:
     """Collective: every rank gathers unit by unit; rank 0 writes. Returns the files written."""
@@ -47,6 +55,16 @@ def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "mode
         out = SafetensorsWriter(final + ".tmp", entries, {"format": "pt"}) if rank0 else None
         try:
             for u in file_units:
+                if _behind_master(engine, u):
+                    # Compute weights lag the master: export the master as the compute dtype,
+                    # which is what the write-back will store (the kernel's 16-bit output is the
+                    # master rounded to nearest, as .to() rounds).
+                    latest = u.split(u.full_master().to(u.compute_dtype))
+                    if out is not None:
+                        for s in u.slots:
+                            out.write(s.fqn, latest[s.fqn])
+                            weight_map[s.fqn] = name
+                    continue
                 gathered = u.state is WeightState.SHARDED
                 u.gather()
                 u.wait_weights()

@@ -1,6 +1,7 @@
 """ZeRO-3 helpers users know from DeepSpeed: GatheredParameters (and Init, below)."""
 from __future__ import annotations
 
+import weakref
 from typing import Iterable
 
 import torch
@@ -61,8 +62,10 @@ class GatheredParameters:
             self._gathered_here = []
 
 
-# Construction units made under Init, by id(module): initialize() adopts their values, then retires them.
-_CONSTRUCTED: dict[int, Unit] = {}
+# Construction units made under Init, by module: initialize() adopts their values, then retires
+# them. Weak keys, and units that do not reference their module (module=None): a model built
+# under Init and dropped without initialize() takes its shards with it.
+_CONSTRUCTED: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()
 
 
 class Init:
@@ -195,7 +198,7 @@ class Init:
         if self.dtype is not None:
             for _, p in params:
                 p.data = p.data.to(self.dtype)
-        unit = Unit(f"{type(module).__name__}@{id(module):x}", params, module=module, trainable=False,
+        unit = Unit(f"{type(module).__name__}@{id(module):x}", params, module=None, trainable=False,
                     group_index=-1, comm=self.comm, policy=self.policy,
                     compute_dtype=params[0][1].dtype, reduce_dtype=params[0][1].dtype,
                     bucket_numel=1 << 62, ledger=self.ledger)
@@ -205,7 +208,7 @@ class Init:
 
             place_weight_shards([unit], PlacementPolicy(params_on_host=True,
                                                         param_pin_memory=self.pin_memory))
-        _CONSTRUCTED[id(module)] = unit
+        _CONSTRUCTED[module] = unit
 
 
 def adopt_constructed(model: nn.Module, params: list[nn.Parameter]) -> list[Unit]:
@@ -223,7 +226,7 @@ def adopt_constructed(model: nn.Module, params: list[nn.Parameter]) -> list[Unit
 def retire_constructed(model: nn.Module) -> None:
     """Free every construction unit of this model's modules (adopted or orphaned by tying)."""
     for m in model.modules():
-        unit = _CONSTRUCTED.pop(id(m), None)
+        unit = _CONSTRUCTED.pop(m, None)
         if unit is not None:
             unit.retire()
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import run_world
-from reference import engine_train, global_batches, tiny_gpt
+from reference import engine_train, global_batches, reference_train, tiny_gpt
 
 STEPS, MICRO, LR = 4, 2, 1e-3
 OPT = {"AdamW": {"lr": LR, "weight_decay": 0.1}, "Adagrad": {"lr": 1e-2, "weight_decay": 0.01},
@@ -30,7 +30,7 @@ EXTRA = [(2, "fp16", 1, "AdamW", ""), (2, "bf16", 2, "AdamW", ""), (1, "bf16", 2
          (1, "fp32", 1, "AdamW", "user_adam")]
 RATIOS = {case: (1.0, 0.4) for case in BASE + EXTRA}
 RATIOS.update({(2, "fp32", 1, "AdamW", ""): (0.0, 0.4, 1.0), (2, "bf16", 1, "AdamW", ""): (0.0, 0.4, 1.0, "auto"),
-               (3, "fp32", 1, "Lion", ""): (1.0,)})
+               (3, "fp32", 1, "Lion", ""): (1.0, 0.4, 0.0)})
 
 
 def _config(stage, dtype, gas, opt, extra, ratio, delayed=None) -> dict:
@@ -228,6 +228,94 @@ def test_delayed_update_matches_stale_reference(world: int) -> None:
                                                msg=lambda m: f"stage {stage} ratio {ratio} {name}: {m}")
 
 
+# ---- Lion on the device (torch) and on the host (native kernel) -------------------------------
+class PublishedLion(torch.optim.Optimizer):
+    """Lion as published (Chen et al. 2023, Algorithm 2), plain torch per tensor: the reference."""
+
+    def __init__(self, params, lr: float, weight_decay: float, betas=(0.9, 0.99)):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=betas))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                p.mul_(1 - lr * wd)
+                p.add_((m * b1 + p.grad * (1 - b1)).sign(), alpha=-lr)
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+LION_SPLITS = {0: (None,), 1: (None, 0.4), 2: (None, 0.0, 0.4, 1.0), 3: (None, 0.0, 0.4, 1.0)}
+
+
+def _lion_world(rank: int, world: int) -> dict:
+    return {(stage, ratio): _train(rank, world, _config(stage, "fp32", 1, "Lion", "", ratio))[:2]
+            for stage, ratios in LION_SPLITS.items() for ratio in ratios}
+
+
+def test_lion_at_every_stage_and_split_matches_one_process_reference() -> None:
+    """optimizer {type: Lion}: torch's Lion steps the device part, the native kernel the host part
+    (Twin-Flow 0 < r < 1 has both); every stage, with and without offload, equals torch Lion on
+    the whole model in one process."""
+    world = 2
+    ref_losses, ref = reference_train(tiny_gpt, lambda ps: PublishedLion(ps, **OPT["Lion"]),
+                                      global_batches(STEPS, MICRO * world), clip=1.0)
+    lr = OPT["Lion"]["lr"]
+    for rank_result in run_world(_lion_world, world, timeout=300):
+        for (stage, ratio), (losses, weights) in rank_result.items():
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
+            for name, w in ref.items():
+                torch.testing.assert_close(weights[name], w, rtol=1e-6, atol=lr * 1e-4,
+                                           msg=lambda m: f"stage {stage} ratio {ratio} {name}: {m}")
+
+
+_CUDA_LION = """if True:
+    import json, sys, torch, zerokit
+    sys.path[:0] = sys.argv[1:3]
+    from reference import engine_train, global_batches, tiny_gpt
+    from test_offload import _config
+    out = {}
+    for stage, ratio in [(1, None), (2, 1.0), (2, 0.4), (3, 0.4), (3, 1.0)]:
+        engine, *_ = zerokit.initialize(model=tiny_gpt(), config=_config(stage, "fp32", 1, "Lion", "", ratio))
+        assert engine.comm.device.type == "cuda"
+        engine_train(engine, global_batches(4, 2), 0, 1)
+        sd = engine.consolidated_fp32_state_dict()
+        out[f"{stage}-{ratio}"] = {k: v.cpu().tolist() for k, v in sd.items()}
+        engine.destroy()
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the device part of Lion)")
+def test_lion_with_a_cuda_device_part(tmp_path) -> None:
+    """One NCCL rank on the GPU: Lion's device part (empty at ratio 1, a share at 0.4) steps."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _CUDA_LION, here, os.path.join(here, "dist")],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=here)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    _, ref = reference_train(tiny_gpt, lambda ps: PublishedLion(ps, **OPT["Lion"]),
+                             global_batches(4, 2), clip=1.0)
+    for case, weights in results.items():
+        for name, w in ref.items():
+            # GPU and CPU kernels of the forward differ by float noise; Lion moves by +-lr, so
+            # a bound far below lr still catches a wrong update.
+            torch.testing.assert_close(torch.tensor(weights[name]), w, rtol=0, atol=OPT["Lion"]["lr"] / 10,
+                                       msg=lambda m: f"{case} {name}: {m}")
+
+
 # ---- errors ------------------------------------------------------------------------------------
 def test_offload_errors_name_the_problem() -> None:
     import zerokit
@@ -313,3 +401,49 @@ def test_exit_with_a_delayed_update_in_flight_is_clean() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "terminate called" not in out.stderr, (out.returncode, out.stderr[-2000:])
     assert "in flight: True" in out.stdout
+
+
+# ---- ratio "auto": the decision follows the measured rates ---------------------------------------
+@pytest.mark.parametrize("host,device,free_fraction,want", [
+    (1e9, 3e9, None, 0.25), (2e8, 2e8, None, 0.5), (3e9, 1e9, None, 0.75),  # balanced: h / (h + d)
+    (1e9, 3e9, 4.0, 0.25),     # the device part fits easily: the balance stands
+    (1e9, 3e9, 0.5, 0.75),     # half the need free: 1 - 0.5 * 0.5 = 0.75 on the host at least
+    (3e9, 1e9, 1.0, 0.75),     # floor 0.5 below the balance 0.75: the balance stands
+    (1e9, 1e9, 0.0, 1.0),      # no device memory free: everything on the host
+])
+def test_auto_ratio_balances_the_measured_rates(host, device, free_fraction, want) -> None:
+    from zerokit.engine.auto_ratio import balance
+
+    need = 16 * 10_000
+    ratio, why = balance(host, device, need, None if free_fraction is None else int(free_fraction * need))
+    assert ratio == pytest.approx(want, abs=1e-12), why
+    assert ("raised to" in why) == (want > host / (host + device) + 1e-12), why
+
+
+@pytest.mark.parametrize("host,device,free_fraction", [(1e9, 3e9, None), (3e9, 1e9, None), (1e9, 3e9, 0.5)])
+def test_auto_ratio_uses_the_measured_rates(monkeypatch, host, device, free_fraction) -> None:
+    """initialize() places what the decision says for the rates measured (injected here) and the
+    device memory free (simulated: a CPU run has no floor of its own)."""
+    import zerokit
+    from zerokit.engine import auto_ratio
+
+    monkeypatch.setattr(auto_ratio, "measure_rates", lambda dev: (host, device))
+    need = {}
+
+    def free(dev):
+        return None if free_fraction is None else int(free_fraction * need["bytes"])
+    monkeypatch.setattr(auto_ratio, "device_free_bytes", free)
+    model = tiny_gpt()
+    # bf16: fp32 master 4 + Adam 8 + gradient 4 bytes per optimizer element on the device.
+    need["bytes"] = 16 * sum(p.numel() for p in model.parameters())
+    engine, *_ = zerokit.initialize(model=model, config=_config(2, "bf16", 1, "AdamW", "", "auto"))
+    balanced = host / (host + device)
+    opt_numel = sum(u.opt_range[1] - u.opt_range[0] for u in engine.units)
+    # The need is counted over the padded optimizer ranges, as the engine lays them out.
+    want = balanced if free_fraction is None else max(balanced, 1 - 0.5 * free_fraction * need["bytes"] /
+                                                      (16 * opt_numel))
+    assert engine.placement.ratio == pytest.approx(want, abs=1e-9), engine.placement.auto_reason
+    assert f"{host / 1e6:.0f} M elements/s" in engine.placement.auto_reason
+    host_numel = sum(u.host_numel for u in engine.units)
+    assert abs(host_numel - want * opt_numel) <= 64 * len(engine.units), (host_numel, want, opt_numel)
+    engine.destroy()

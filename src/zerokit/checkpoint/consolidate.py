@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from zerokit.checkpoint.load import read_meta, resolve_tag
+from zerokit.checkpoint.load import committed_path, read_meta, resolve_tag
 from zerokit.checkpoint.metadata import COMMON, MODEL_CONFIG, Layout, shard_file, values_kind
 from zerokit.checkpoint.storage import DTYPE_OF, SafetensorsWriter, ShardFile, write_bytes_atomic
 
@@ -29,7 +29,7 @@ def resolve_path(checkpoint_dir: str, tag: str | None = None) -> str:
     resolved = resolve_tag(checkpoint_dir, tag)
     if resolved is None:
         raise FileNotFoundError(f"{checkpoint_dir} has no 'latest' file and no tag was given")
-    return os.path.join(checkpoint_dir, resolved)
+    return committed_path(os.path.join(checkpoint_dir, resolved))
 
 
 def iter_units(path: str, meta: dict) -> Iterator[tuple[dict, dict[str, torch.Tensor]]]:

@@ -43,6 +43,21 @@ def resolve_tag(load_dir: str, tag: Any) -> str | None:
         return f.read().strip()
 
 
+def committed_path(path: str) -> str:
+    """The directory that holds tag directory `path`'s checkpoint: `path` itself, or its old copy
+    `.old-{tag}` where a save re-using the tag was killed between moving the old copy aside and
+    moving the new one in (see save.py, commit). The old copy is whole, and it is what `latest`
+    named; the next save moves it back (save.recover_interrupted)."""
+    if os.path.isdir(path):
+        return path
+    old = os.path.join(os.path.dirname(path), f".old-{os.path.basename(path)}")
+    if os.path.isfile(os.path.join(old, META)):
+        log.warning("checkpoint %s: a save re-using the tag was interrupted; reading its previous "
+                    "copy %s", path, old)
+        return old
+    return path
+
+
 def read_meta(path: str) -> dict:
     """meta.json of a complete tag, after checking that every file it lists is there, whole."""
     tag_dir, tag = os.path.dirname(path), os.path.basename(path)
@@ -152,7 +167,7 @@ def _open_on_every_rank(engine: "Engine", load_dir: str, tag: Any, strict: bool)
     try:
         resolved = resolve_tag(load_dir, tag)
         if resolved is not None:
-            path = os.path.join(load_dir, resolved)
+            path = committed_path(os.path.join(load_dir, resolved))
             layout = Layout(read_meta(path))
             names = set(check_names(layout, engine, strict))
             common = torch.load(os.path.join(path, COMMON), map_location="cpu", weights_only=False)

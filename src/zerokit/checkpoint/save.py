@@ -17,6 +17,11 @@ The protocol, as four steps (DCP's plan / write / commit, plus an explicit agree
              (temp + fsync + os.replace). Until the rename the tag does not exist; until the
              `latest` replace, `latest` names the previous complete tag. A kill at any moment
              therefore leaves the previous checkpoint loadable.
+             Re-saving an existing tag takes two renames: the old copy to `.old-{tag}`, then the
+             new one in. A kill between them leaves no `{tag}`, and `latest` may name it: loading
+             then reads the old copy, whole (load.committed_path), and the next save puts it back
+             before anything else (recover_interrupted), or drops an `.old-{tag}` left beside a
+             complete `{tag}` (a kill while removing it).
 Asynchronously, steps 3-4 run on a background thread per rank with no collectives: rank 0's
 thread waits for the other ranks' markers in the file system (or a `rank{r}.failed` marker, or
 the comm timeout) before it commits. The next save, a load, or `wait_for_checkpoint` waits.
@@ -122,6 +127,7 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
 
     def prepare() -> None:
         os.makedirs(save_dir, exist_ok=True)
+        recover_interrupted(save_dir)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
         os.makedirs(tmp)
     _agree(engine, _attempt(prepare, tmp) if rank == 0 else None, "preparing", tmp)
@@ -166,6 +172,28 @@ def _agree(engine: "Engine", err: BaseException | None, step: str, tmp: str) -> 
         raise err
     raise RuntimeError(f"checkpoint save failed on another rank while {step}; the partial tag was "
                        f"removed and the previous checkpoint and 'latest' are untouched")
+
+
+def recover_interrupted(save_dir: str) -> None:
+    """Rank 0, before a save (saves are serialised): finish what a killed commit left behind.
+
+    `.old-{tag}` without `{tag}`: killed between the commit's two renames; the old copy is whole
+    (it was moved aside by one rename) and is what `latest` may name, so it goes back. Beside a
+    complete `{tag}` it is a removal that was interrupted. `latest.tmp*`: a `latest` replace that
+    never happened (write_bytes_atomic).
+    """
+    for entry in os.listdir(save_dir):
+        path = os.path.join(save_dir, entry)
+        if entry.startswith(".old-") and os.path.isdir(path):
+            tag_dir = os.path.join(save_dir, entry[len(".old-"):])
+            if os.path.isdir(tag_dir):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.rename(path, tag_dir)
+                fsync_dir(save_dir)
+                log.warning("checkpoint %s: restored the copy an interrupted save had moved aside", tag_dir)
+        elif entry.startswith(f"{LATEST}.tmp") and os.path.isfile(path):
+            os.remove(path)
 
 
 # ---- 2. snapshot ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import datetime
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -150,15 +151,19 @@ class Comm:
         except Exception:
             return
         key = f"zerokit/heartbeat/{self.rank}"
+        store, stop = self._store, self._beat_stop
 
+        # The thread holds the store and the stop event, not the Comm: a Comm nobody closed (an
+        # engine dropped without destroy(), zero.Init's) is still collected, and stops its beat.
         def beat() -> None:
-            while not self._beat_stop.wait(HEARTBEAT_S):
+            while not stop.wait(HEARTBEAT_S):
                 try:
-                    self._store.set(key, repr(time.time()))
+                    store.set(key, repr(time.time()))
                 except Exception:
                     return
 
-        self._store.set(key, repr(time.time()))
+        store.set(key, repr(time.time()))
+        weakref.finalize(self, stop.set)
         threading.Thread(target=beat, name="zerokit-heartbeat", daemon=True).start()
 
     def close(self) -> None:

@@ -63,14 +63,16 @@ from zerokit.tiers.transfer import side_stream, uses_streams
 ALIGN = 32  # elements per shard boundary: keeps every shard 64-byte aligned for SIMD kernels
 
 
-# Which unit holds a parameter, for GatheredParameters. Keyed by id with a weak reference to check
-# identity: a WeakKeyDictionary would compare tensors with ==, which is element-wise.
-_UNIT_OF: "dict[int, tuple[weakref.ref, Unit]]" = {}
+# Which unit holds a parameter, for GatheredParameters and zero.Init. The lookup keeps neither
+# alive: the value is weak, so a dropped engine's units (and their buffers) are freed, and the
+# key is id(param), which no other object can take while the unit lives, since the unit holds
+# its parameters. (A WeakKeyDictionary keyed by the parameter would compare tensors with ==,
+# which is element-wise.)
+_UNIT_OF: "weakref.WeakValueDictionary[int, Unit]" = weakref.WeakValueDictionary()
 
 
 def unit_of(param: torch.Tensor) -> "Unit | None":
-    entry = _UNIT_OF.get(id(param))
-    return entry[1] if entry is not None and entry[0]() is param else None
+    return _UNIT_OF.get(id(param))
 
 
 class WeightState(Enum):
@@ -95,7 +97,7 @@ class ParamSlot:
 
 
 class Unit:
-    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], *, module: nn.Module,
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], *, module: nn.Module | None,
                  trainable: bool,
                  group_index: int, comm: Comm, policy: PartitionPolicy, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, bucket_numel: int, ledger: Ledger,
@@ -103,7 +105,9 @@ class Unit:
         if not params:
             raise ValueError(f"unit {name!r} has no parameters")
         self.name = name
-        self.module = module  # whose forward uses these weights first (the model for the root unit)
+        # whose forward uses these weights first (the model for the root unit); None for zero.Init's
+        # construction units, which must not keep their module alive
+        self.module = module
         self.trainable = trainable
         self.group_index = group_index
         self.comm = comm
@@ -165,7 +169,7 @@ class Unit:
         for s in self.slots:
             s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
             s.param.grad = None
-            _UNIT_OF[id(s.param)] = (weakref.ref(s.param), self)
+            _UNIT_OF[id(s.param)] = self
         self.shard: torch.Tensor | None = None
         self._placeholder = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=device)
         self.state = WeightState.GATHERED

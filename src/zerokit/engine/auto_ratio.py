@@ -49,20 +49,34 @@ def measure_rates(device: torch.device, n: int = SAMPLE) -> tuple[float, float]:
     return n / _time(host_step, lambda: None), n / _time(opt.step, sync)
 
 
+def device_free_bytes(device: torch.device) -> int | None:
+    """Device memory free now; None where the "device" is the host (no floor applies)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def choose_ratio(units: list, device: torch.device, bytes_per_element: int) -> tuple[float, str]:
-    """The ratio for "auto", and a sentence saying why."""
+    """The ratio for "auto", and a sentence saying why: measure, then decide (`balance`)."""
     host_rate, dev_rate = measure_rates(device)
-    ratio = host_rate / (host_rate + dev_rate)
-    why = (f"host Adam {host_rate / 1e6:.0f} M elements/s, device {dev_rate / 1e6:.0f} M elements/s: "
+    numel = sum(u.opt_range[1] - u.opt_range[0] for u in units if u.trainable)
+    return balance(host_rate, dev_rate, numel * bytes_per_element, device_free_bytes(device))
+
+
+def balance(host_rate: float, device_rate: float, device_need: int, device_free: int | None
+            ) -> tuple[float, str]:
+    """The decision, from measured facts alone: host and device update rates (elements/s), the
+    bytes the whole optimizer range would need on the device (master + state + gradient), and the
+    device bytes free (None: no device-memory floor)."""
+    if not (host_rate > 0 and device_rate > 0):
+        raise ValueError(f"offload_optimizer.ratio auto: measured rates must be positive (host "
+                         f"{host_rate!r}, device {device_rate!r} elements/s)")
+    ratio = host_rate / (host_rate + device_rate)
+    why = (f"host Adam {host_rate / 1e6:.0f} M elements/s, device {device_rate / 1e6:.0f} M elements/s: "
            f"ratio {ratio:.2f} makes both finish together")
-    if device.type == "cuda":
-        total = sum(u.opt_range[1] - u.opt_range[0] for u in units if u.trainable)
-        free = torch.cuda.mem_get_info(device)[0]
-        need = total * bytes_per_element
-        floor = max(0.0, 1.0 - 0.5 * free / need) if need else 0.0
+    if device_free is not None and device_need:
+        floor = max(0.0, 1.0 - 0.5 * device_free / device_need)
         if floor > ratio:
-            why += (f"; raised to {floor:.2f} so that the device part ({_mib((1 - floor) * need)}) "
-                    f"fits in half of the {_mib(free)} free")
+            why += (f"; raised to {floor:.2f} so that the device part ({_mib((1 - floor) * device_need)}) "
+                    f"fits in half of the {_mib(device_free)} free")
             ratio = floor
     return min(1.0, ratio), why
 

@@ -6,18 +6,21 @@ partitioned. The whole training step reads top to bottom in `backward` and `step
 from __future__ import annotations
 
 import logging
+import functools
 import math
 import time
+import weakref
 from collections import deque
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from zerokit.checkpoint.save import settle_checkpoint
+from zerokit.checkpoint.save import settle_checkpoint, wait_for_checkpoint
 from zerokit.config.schema import ZeroKitConfig
 from zerokit.core.collectives import CollectiveError, Comm, Handle
 from zerokit.core.unit import Unit
+from zerokit.engine.attachment import Attachment, weakly
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
 from zerokit.engine.optimizer import state_bytes
 from zerokit.engine.precision import LossScaler, cast_inputs_half
@@ -54,6 +57,10 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.skipped_steps = 0
         self.global_samples = 0
         self.training_dataloader = None  # set by initialize(training_data=...)
+        # See [Note: engine lifetime] (engine/attachment.py): hooks, threads, and their release.
+        self._attachment = Attachment(module, units, comm, sharded=policy.shard_weights)
+        self._release_when_dropped = weakref.finalize(self, self._attachment.release, "dropped")
+        self._release_when_dropped.atexit = False  # at exit, peers may be gone: no collective waits
         self.offload = None  # HostStepper (engine/host_step.py): set by initialize when offloading
         self._reduce_now = False
         self._pending: deque[tuple[Handle, int]] = deque()
@@ -64,9 +71,10 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._max_pending_bytes = (2 * config.zero_optimization.reduce_bucket_size * 4
                                    if config.zero_optimization.overlap_comm else 0)
         self._state_tier = ledger._tier(units[0].flat, None)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u, i))
-                       for u in units if u.trainable for i, s in enumerate(u.slots)
-                       for p in [s.param]]
+        self._hooks = self._attachment.hooks
+        self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(weakly(self._on_grad), u, i))
+                        for u in units if u.trainable for i, s in enumerate(u.slots)
+                        for p in [s.param]]
         self.scheduler = (Stage3Scheduler(units, comm, config.zero_optimization, module)
                           if policy.shard_weights else None)
         self._install_module_hooks()
@@ -78,24 +86,35 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             by_module.setdefault(id(u.module), []).append(u)
         if self.scheduler is not None:
             self._hooks.append(self.module.register_forward_pre_hook(
-                lambda *_: self.scheduler.start_iteration(), prepend=True))
+                weakly(self._start_iteration), prepend=True))
         for units in by_module.values():
             module = units[0].module
             self._hooks.append(module.register_forward_pre_hook(
-                lambda _m, _args, units=units: self._before_forward(units)))
+                functools.partial(weakly(self._before_forward), units)))
             if self.scheduler is not None:
                 self._hooks.append(module.register_forward_hook(
-                    lambda _m, _args, out, units=units: self._after_forward(units, out)))
-        self._hooks.append(self.module.register_state_dict_pre_hook(self._before_state_dict))
+                    functools.partial(weakly(self._after_forward), units)))
+        self._hooks.append(self.module.register_state_dict_pre_hook(weakly(self._before_state_dict)))
 
-    def _before_forward(self, units: list[Unit]) -> None:
+    @property
+    def offload(self):
+        return self._attachment.stepper
+
+    @offload.setter
+    def offload(self, stepper) -> None:
+        self._attachment.stepper = stepper  # its worker ends when the engine is released
+
+    def _start_iteration(self, *_hook_args: Any) -> None:
+        self.scheduler.start_iteration()
+
+    def _before_forward(self, units: list[Unit], *_hook_args: Any) -> None:
         for u in units:
             if self.scheduler is not None:
                 self.scheduler.use(u)
             else:
                 u.wait_weights()
 
-    def _after_forward(self, units: list[Unit], output: Any) -> None:
+    def _after_forward(self, units: list[Unit], _module: nn.Module, _args: Any, output: Any) -> None:
         for u in units:
             self.scheduler.after_forward(u, output)
 
@@ -149,13 +168,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._timers["backward"] += time.perf_counter() - t0
         return loss
 
-    def _grad_hook(self, unit: Unit, index: int):
-        def hook(param: nn.Parameter) -> None:
-            if unit.on_grad_ready(param, index, self._reduce_now):
-                self._launch_reduce(unit)
-                if self.scheduler is not None:
-                    self.scheduler.after_backward(unit)
-        return hook
+    def _on_grad(self, unit: Unit, index: int, param: nn.Parameter) -> None:
+        if unit.on_grad_ready(param, index, self._reduce_now):
+            self._launch_reduce(unit)
+            if self.scheduler is not None:
+                self.scheduler.after_backward(unit)
 
     def _launch_reduce(self, unit: Unit) -> None:
         """Ranks whose backward took different paths would reduce different units here: each
@@ -414,7 +431,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return self
 
     def destroy(self) -> None:
+        """Let go of the model and the process: see [Note: engine lifetime]."""
+        wait_for_checkpoint(self)  # its thread reads the state this releases
         self.wait_for_weights()
-        for h in self._hooks:
-            h.remove()
-        self.comm.close()
+        self._release_when_dropped.detach()
+        self._attachment.release("destroyed")

@@ -21,11 +21,12 @@ from typing import Any, Callable
 import torch
 
 from zerokit.engine.offload import HostShard
-from zerokit.optim import HostAdagrad, HostAdam, HostLion
+from zerokit.optim import HostAdagrad, HostAdam, HostLion, Lion
 from zerokit.optim import host as K
 from zerokit.policy import PlacementPolicy
 
-SUPPORTED = "Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/AdamW/Adagrad instances"
+SUPPORTED = ("Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/AdamW/Adagrad and "
+             "zerokit.optim.Lion instances")
 
 
 def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostShard, dict, float], None]]:
@@ -48,7 +49,7 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostSha
                            weight_decay=g["weight_decay"], step=s.steps, lr_decay=g["lr_decay"],
                            grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
         return "adagrad", adagrad
-    if issubclass(kind, HostLion):
+    if issubclass(kind, (HostLion, Lion)):
         def lion(s: HostShard, g: dict, coef: float) -> None:
             b1, b2 = g["betas"]
             K.lion_step(s.master, s.grad_in_flight, s.state["exp_avg"], lr=g["lr"], beta1=b1,
@@ -96,9 +97,6 @@ class HostStepper:
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         for s in self.shards:
             s.group = group_of[id(s.unit.master)]
-            if self.family == "lion" and s.unit.device.type != "cpu" and s.unit.master.numel():
-                raise ValueError("offload_optimizer: Lion's device part would need a device Lion, "
-                                 "which zerokit lacks; use ratio 1 with Lion")
             fill = optimizer.param_groups[s.group].get("initial_accumulator_value", 0.0)
             s.init_state(self.family, fill if self.family == "adagrad" else 0.0)
 
@@ -195,6 +193,18 @@ class HostStepper:
         finished.join()
         self._worker = finished
         self._stepped = list(self.shards)
+
+    def close(self) -> None:
+        """The engine is released (see [Note: engine lifetime]): let an update in flight finish,
+        so its thread ends, and forget it; nothing is written back, the weights stay as they are."""
+        if self._worker is not None:
+            self._worker.join()
+            self._worker, self._error = None, None
+        if self._copied is not None:  # host -> device weight copies still read host buffers
+            self._copied.synchronize()
+            self._copied = None
+        self._stepped, self._written = [], []
+        _LIVE.discard(self)
 
     def device_bytes_saved(self) -> int:
         """Device bytes this rank no longer holds: optimizer state and gradient of the host parts,

@@ -19,6 +19,7 @@ next forward gathers from the shard while the worker is still writing.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 import torch.nn as nn
@@ -37,7 +38,7 @@ class HostShard:
     def __init__(self, unit, numel: int, master: torch.Tensor, placement: PlacementPolicy,
                  home: torch.Tensor | None = None):
         """home: host weights the update may write in place (offload_param without delay)."""
-        self.unit = unit
+        self._unit = weakref.ref(unit)  # the unit holds us: a strong link back would be a cycle
         self.numel = numel
         cuda = unit.device.type == "cuda"
         self.pin = placement.pin_memory and cuda and torch.cuda.is_available()
@@ -67,6 +68,10 @@ class HostShard:
             (4 * numel if self.staging is not None else 0)
         if extra:
             led.hold_bytes(f"{name}/host_buffers", "buffers", "host", extra)
+
+    @property
+    def unit(self):
+        return self._unit()
 
     def _alloc(self, dtype: torch.dtype, pin: bool | None = None) -> torch.Tensor:
         pin = self.pin if pin is None else pin and torch.cuda.is_available()

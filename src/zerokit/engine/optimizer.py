@@ -45,12 +45,9 @@ def _config_optimizer(cfg: OptimizerConfig) -> OptimizerFactory:
         kind = "AdamW" if params.pop("adam_w_mode", True) else "Adam"
         params.pop("torch_adam", None)
     if kind == "Lion":
-        try:
-            from zerokit.optim import HostLion as cls  # type: ignore[attr-defined]
-        except ImportError as e:
-            raise NotImplementedError(
-                "optimizer.type 'Lion' needs zerokit.optim.HostLion (the native host optimizer), "
-                "which this build lacks") from e
+        # torch's ops on any device; offloaded parts are stepped by the native host kernel, which
+        # does the same arithmetic (engine/host_step.py kernel_for).
+        from zerokit.optim import Lion as cls
     else:
         cls = getattr(torch.optim, kind)
     return lambda groups: cls(groups, **params)
