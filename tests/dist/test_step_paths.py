@@ -397,3 +397,50 @@ def test_a_failed_optimizer_step_leaves_the_engine_training_on(after_step_result
         errors, torn, finite, global_steps = result["failing offload"]
         assert errors == [1] and not torn and finite and global_steps == STEPS, \
             f"rank {rank}, offloaded: errors {errors}, torn {torn[:5]}, finite {finite}, steps {global_steps}"
+
+
+# ---- an optimizer that raises on one rank only -------------------------------------------------
+def _one_rank_fails(rank: int, world: int) -> dict:
+    """Rank world-1's optimizer raises at its second step; the other ranks' do not."""
+    import zerokit
+
+    out = {}
+    for stage in (0, 2):
+        make = (lambda groups: FailsOnce(groups, **SGD)) if rank == world - 1 else \
+            (lambda groups: torch.optim.SGD(groups, **SGD))
+        engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), optimizer=make, config={
+            k: v for k, v in _config(stage, gas=1).items() if k != "optimizer"})
+        errors = []
+        for i, batch in enumerate(global_batches(STEPS + 1, MICRO * world)):
+            engine.backward(engine(*rank_micro_batch(batch, rank, world, 0, 1)))
+            try:
+                engine.step()
+            except RuntimeError as e:
+                errors.append((i, type(e).__name__, str(e)))
+                if i > 1:
+                    break
+        weights = engine.consolidated_fp32_state_dict() if stage else {}
+        out[stage] = (errors, weights)
+        engine.destroy()
+    return out
+
+
+def test_an_optimizer_failing_on_one_rank_is_named_where_replicas_would_differ() -> None:
+    """Stage 0 keeps a full replica per rank: a step applied by some ranks only leaves them
+    different, so every rank stops at the next step naming the rank that abandoned it. At
+    stage 2 each rank steps its own shard: training goes on, and every rank holds the same
+    weights."""
+    results = run_world(_one_rank_fails, WORLD, timeout=300)
+    failing = WORLD - 1
+    for rank, result in enumerate(results):
+        errors, _ = result[0]
+        own = [(1, "RuntimeError", "injected optimizer failure")] if rank == failing else []
+        assert errors[:len(own)] == own, (rank, errors)
+        rest = errors[len(own):]
+        assert len(rest) == 1 and rest[0][0] == 2 and rest[0][1] == "CollectiveError", (rank, errors)
+        assert f"rank(s) [{failing}] abandoned their previous step" in rest[0][2], rest[0][2]
+        assert "replicas now differ" in rest[0][2], rest[0][2]
+        errors, weights = result[2]
+        assert [e[:2] for e in errors] == ([(1, "RuntimeError")] if rank == failing else []), errors
+        for name, w in weights.items():
+            assert torch.equal(w, results[0][2][1][name]), f"stage 2 rank {rank}: {name} differs"

@@ -50,6 +50,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._train_batch_size, self._micro_batch_size, self._gradient_accumulation_steps = batch
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._last_grad_norm: float | None = None  # get_global_grad_norm: the last step's
+        self._abandoned_step: int | None = None  # this rank's optimizer raised at that step
         self.tput_timer = ThroughputTimer(batch[0])
         self.loss_scaler = LossScaler.from_config(config)
         self.global_steps = 0
@@ -303,6 +304,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                     f"collective; the ranks may no longer agree, so this engine cannot train on: "
                     f"restart the job (from the last checkpoint).")
         else:
+            self._abandoned_step = self.global_steps  # the next step tells the other ranks
             if self.offload is not None:
                 self.offload.before_step()  # join any host update still running, write it back
             self._publish(trainable)
@@ -333,11 +335,39 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._timers = dict.fromkeys(self._timers, 0.0)
 
     def _unused_everywhere(self, units: list[Unit]) -> list[Unit]:
-        """Units no rank produced a gradient for since the last step (one small all-reduce)."""
-        used = torch.tensor([u.used for u in units], dtype=torch.uint8, device=self.comm.device)
-        if self.comm.world_size > 1:
-            self.comm.all_reduce_(used, "the used-units flags", op=torch.distributed.ReduceOp.MAX)
-        return [u for u, flag in zip(units, used.tolist()) if not flag]
+        """Units no rank produced a gradient for since the last step. The same small all-reduce
+        carries one flag per rank: whether that rank abandoned its last step (its optimizer
+        raised), which other ranks cannot otherwise know."""
+        n, world = len(units), self.comm.world_size
+        flags = torch.zeros(n + world, dtype=torch.uint8, device=self.comm.device)
+        flags[:n] = torch.tensor([u.used for u in units], dtype=torch.uint8)
+        flags[n + self.comm.rank] = self._abandoned_step is not None
+        if world > 1:
+            self.comm.all_reduce_(flags, "the used-units flags", op=torch.distributed.ReduceOp.MAX)
+        values = flags.tolist()
+        self._check_replicas_agree([r for r in range(world) if values[n + r]])
+        return [u for u, flag in zip(units, values[:n]) if not flag]
+
+    def _check_replicas_agree(self, abandoned_by: list[int]) -> None:
+        """Some ranks abandoned their last step while others applied it. Where the optimizer
+        state is partitioned each rank steps only its own shard, so every rank still gathers the
+        same weights (that shard missed one update); where it is replicated (stage 0) the
+        replicas now differ, and training on would be silently wrong."""
+        mine, self._abandoned_step = self._abandoned_step, None
+        if not abandoned_by or len(abandoned_by) == self.comm.world_size:
+            return
+        applied = [r for r in range(self.comm.world_size) if r not in abandoned_by]
+        what = (f"rank(s) {abandoned_by} abandoned their previous step (their optimizer raised) "
+                f"while rank(s) {applied} applied it")
+        if self.policy.shard_optimizer:
+            if self.comm.rank == 0:
+                log.warning("zerokit: %s; the shards of rank(s) %s missed that one update", what,
+                            abandoned_by)
+            return
+        raise CollectiveError(
+            f"rank {self.comm.rank}: {what}{f' (this rank, at step {mine})' if mine is not None else ''}. "
+            f"Every rank keeps a full replica of the weights here, so the replicas now differ: "
+            f"restart from the last checkpoint.")
 
     def wait_for_weights(self) -> None:
         """Finish gathering the weights of the last step (see [Note: weights in flight])."""
