@@ -18,7 +18,8 @@ just before it loads. The wrapper streams with zerokit.pretrained (see [Note: st
 when the model holds zerokit-partitioned parameters and the checkpoint is safetensors files whose
 keys need at most renaming (transformers' key mapping: `WeightRenaming`s and the base-model
 prefix); otherwise it calls transformers' own function, saying why on rank 0 when that means the
-rank-0 full load (.bin files, `WeightConverter`s that fuse or split tensors). Loaded tensors get
+rank-0 full load (.bin files, `WeightConverter`s that fuse or split tensors, or
+ZEROKIT_PRETRAINED_STREAMING=0 in the environment, the opt-out). Loaded tensors get
 `_is_hf_initialized` (so transformers does not initialise them again), missing, unexpected and
 mismatched keys go back in transformers' `LoadStateDictInfo` (its report then drops tied and
 ignored keys, and raises on mismatches unless `ignore_mismatched_sizes`), and the rank's
@@ -26,6 +27,7 @@ ignored keys, and raises on mismatches unless `ignore_mismatched_sizes`), and th
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable
 
@@ -33,6 +35,7 @@ from zerokit.core.unit import unit_of
 from zerokit.utils.logs import log
 
 _original: Callable | None = None  # transformers' own _load_pretrained_model
+OPT_OUT = "ZEROKIT_PRETRAINED_STREAMING"  # "0": transformers' own ZeRO-3 load
 
 
 def install_if_imported() -> bool:
@@ -50,7 +53,9 @@ def install() -> bool:
         from transformers.utils.loading_report import LoadStateDictInfo  # noqa: F401
     except ImportError:
         return False
-    current = PreTrainedModel.__dict__["_load_pretrained_model"]
+    current = PreTrainedModel.__dict__.get("_load_pretrained_model")
+    if current is None:
+        return False
     function = getattr(current, "__func__", current)
     if function is _load_pretrained_model:
         return True
@@ -95,6 +100,8 @@ def _why_not_streamed(model, state_dict, checkpoint_files, load_config) -> str |
         return ""  # not ZeRO-3, quantized, or the values are in memory already
     if not any(unit_of(p) is not None for p in model.parameters()):
         return ""  # not built under zerokit's zero.Init (e.g. a real DeepSpeed's)
+    if os.environ.get(OPT_OUT, "1").strip() == "0":
+        return f"{OPT_OUT}=0"
     if not checkpoint_files:
         return "no checkpoint files"
     others = [f for f in checkpoint_files if not str(f).endswith(".safetensors")]
