@@ -149,7 +149,7 @@ def _open_files(files: list[str]) -> tuple[dict, list]:
 
 # ---- matching keys and loading ----------------------------------------------------------------
 def _load(model: nn.Module, opened: dict, rename: Callable[[str], str] | None, report: LoadReport) -> None:
-    targets = model.state_dict(keep_vars=True)     # key -> parameter or buffer (tied: several keys)
+    targets = state_dict_targets(model)            # key -> parameter or buffer (tied: several keys)
     sources: dict[str, str] = {}                   # model key -> checkpoint key
     for ckpt_key in opened:
         key = rename(ckpt_key) if rename is not None else ckpt_key
@@ -174,6 +174,22 @@ def _load(model: nn.Module, opened: dict, rename: Callable[[str], str] | None, r
             continue
         _load_tensor(key, tensor, f, ckpt_key, report)
         report.loaded_keys.update(keys)
+
+
+def state_dict_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict(keep_vars=True)'s keys and tensors, in its order, without calling it: an
+    engine at stage 3 refuses state_dict (it would gather every weight), and extra-state hooks
+    have nothing to load here."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for name, p in module._parameters.items():
+            if p is not None:
+                out[prefix + name] = p
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[prefix + name] = b
+    return out
 
 
 def _tied_groups(targets: dict[str, torch.Tensor]) -> list[list[str]]:

@@ -74,13 +74,13 @@ def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, exp
         return _original(model, state_dict, checkpoint_files, load_config, expected_keys)
     from transformers.utils.loading_report import LoadStateDictInfo
 
-    from zerokit.pretrained import load_pretrained_sharded
+    from zerokit.pretrained import load_pretrained_sharded, state_dict_targets
 
     # Mismatches are reported, not raised: transformers' report raises on them itself unless
     # ignore_mismatched_sizes, and otherwise initialises those keys as it does for missing ones.
     report = load_pretrained_sharded(model, checkpoint_files, rename=_hf_rename(model, load_config),
                                      ignore_mismatched_sizes=True)
-    targets = model.state_dict(keep_vars=True)
+    targets = state_dict_targets(model)
     for key in report.loaded_keys:
         targets[key]._is_hf_initialized = True  # transformers skips initialising these
     model.zerokit_load_report = report
@@ -119,8 +119,10 @@ def _hf_rename(model, load_config) -> Callable[[str], str]:
     state_dict_in_model): its WeightRenamings, then the base-model prefix added or stripped."""
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
+    from zerokit.pretrained import state_dict_targets
+
     renamings = [w for w in (load_config.weight_mapping or []) if isinstance(w, WeightRenaming)]
-    keys: dict[str, Any] = dict.fromkeys(model.state_dict(keep_vars=True), True)
+    keys: dict[str, Any] = dict.fromkeys(state_dict_targets(model), True)
     prefix = model.base_model_prefix
 
     def rename(key: str) -> str:
