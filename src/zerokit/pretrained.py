@@ -162,10 +162,8 @@ def _load(model: nn.Module, opened: dict, rename: Callable[[str], str] | None, r
         if not present:
             report.missing_keys.update(keys)
             continue
-        key = present[0]
+        key = present[0]  # a tied tensor saved under several keys is read once
         ckpt_key, tensor = sources[key], targets[key]
-        for other in present[1:]:   # a tied tensor saved twice: read once
-            report.loaded_keys.add(other)
         f = opened[ckpt_key]
         shape = tuple(f.header[ckpt_key]["shape"])
         if shape != tuple(tensor.shape):
