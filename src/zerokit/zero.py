@@ -1,4 +1,6 @@
-"""ZeRO-3 helpers users know from DeepSpeed: GatheredParameters (and Init, below)."""
+"""ZeRO-3 helpers users know from DeepSpeed: GatheredParameters (and Init, below), and
+load_pretrained_sharded (zerokit/pretrained.py): safetensors weights streamed into a model built
+under Init, each rank reading only its shard."""
 from __future__ import annotations
 
 import weakref
@@ -8,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.core.unit import Unit, WeightState, unit_of
+from zerokit.pretrained import LoadReport, load_pretrained_sharded  # noqa: F401  (public here)
 
 
 class GatheredParameters:

@@ -39,6 +39,14 @@ class Init(zerokit.zero.Init):
         super().__init__(config=config_dict_or_path if config_dict_or_path is not None else config,
                          enabled=enabled)
 
+    def __enter__(self) -> "Init":
+        # transformers' from_pretrained enters this just before it loads the checkpoint: make its
+        # load stream each rank's shards (compat/hf_pretrained.py) instead of rank 0 reading all.
+        from zerokit.compat.hf_pretrained import install_if_imported
+
+        install_if_imported()
+        return super().__enter__()
+
 
 def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype,
                                            target_device: Any = None) -> Callable:
