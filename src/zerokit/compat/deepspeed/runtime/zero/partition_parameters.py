@@ -26,18 +26,9 @@ _orig_torch_arange = torch.arange
 
 
 class Init(zerokit.zero.Init):
-    """zerokit.zero.Init with DeepSpeed's keywords: config_dict_or_path (or the older config) is
-    the config; the others (remote_device, pin_memory, dtype, data_parallel_group, ...) are
-    accepted and ignored. module= (partition an already built model) is not implemented."""
-
-    def __init__(self, module: torch.nn.Module | None = None, config_dict_or_path: Any = None,
-                 config: Any = None, enabled: bool = True, **ignored: Any):
-        if module is not None:
-            raise NotImplementedError("zero.Init(module=...) (partitioning a model built outside the "
-                                      "context) is not implemented; build the model inside "
-                                      "`with zero.Init(...)`, or let initialize() partition it")
-        super().__init__(config=config_dict_or_path if config_dict_or_path is not None else config,
-                         enabled=enabled)
+    """zerokit.zero.Init, which already takes DeepSpeed's signature (every keyword is honoured or
+    refused by name); entering it also routes transformers' from_pretrained to the streaming
+    loader."""
 
     def __enter__(self) -> "Init":
         # transformers' from_pretrained enters this just before it loads the checkpoint: make its
