@@ -227,6 +227,12 @@ def _check_construction_unit(key: str, unit: Unit) -> None:
 
 def _read_whole(tensor: torch.Tensor, f, ckpt_key: str, report: LoadReport) -> None:
     """A replicated parameter or a buffer: every rank reads all of it."""
+    if tensor.numel() > 1 and 0 in tensor.stride():
+        raise RuntimeError(
+            f"load_pretrained_sharded: {ckpt_key!r} would be written into a released stage-3 "
+            f"parameter of shape {tuple(tensor.shape)} that no unit holds any more: the zerokit "
+            f"engine that partitioned this model was destroyed or dropped. Load into a model "
+            f"built under zero.Init before initialize()")
     with torch.no_grad():
         if tensor.is_contiguous():
             _read_range(f, ckpt_key, 0, tensor.numel(), tensor.data.view(-1), report)

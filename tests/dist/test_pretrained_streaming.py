@@ -357,7 +357,7 @@ def _direct_cases(rank: int, world: int, paths: dict) -> dict:
     def error(fn) -> str:
         try:
             fn()
-        except (ValueError, NotImplementedError) as e:
+        except (ValueError, RuntimeError) as e:  # NotImplementedError is a RuntimeError
             return f"{type(e).__name__}: {e}"
         return "no error"
 
@@ -379,8 +379,12 @@ def _direct_cases(rank: int, world: int, paths: dict) -> dict:
                                                                           ignore_mismatched_sizes=True)
     out["mismatch_ignored"] = values(model)
     model = build()
-    zerokit.initialize(model=model, config=CFG)
+    engine, *_ = zerokit.initialize(model=model, config=CFG)  # kept alive: a dropped engine detaches
     out["after_initialize"] = error(lambda: zerokit.zero.load_pretrained_sharded(model, paths["partial"]))
+    del engine  # dropped: the model keeps placeholders and no unit
+    import gc
+    gc.collect()
+    out["after_destroy"] = error(lambda: zerokit.zero.load_pretrained_sharded(model, paths["partial"]))
     return out
 
 
@@ -416,3 +420,4 @@ def test_load_pretrained_sharded_keys_renames_dtypes_and_refusals(tmp_path) -> N
         assert not torch.equal(built, params["gpt.transformer.wpe.weight"])  # left as built
         assert _differences(r["mismatch_ignored"], {k: v for k, v in params.items() if k != "gpt.transformer.wpe.weight"}) == []
         assert r["after_initialize"].startswith("NotImplementedError") and "before initialize" in r["after_initialize"]
+        assert r["after_destroy"].startswith("RuntimeError") and "destroyed or dropped" in r["after_destroy"], r["after_destroy"]
