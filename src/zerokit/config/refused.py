@@ -84,6 +84,8 @@ REFUSED: dict[str, Refused] = {
     "gradient_allreduce_op": Refused(
         "a summed (not averaged) gradient reduction is not implemented: ignoring 'sum' would scale "
         "every update by 1/world_size", accepted=("mean",)),
+    "optimizer.params.max_grad_norm": Refused(
+        "not an optimizer parameter (DeepSpeed refuses it too): use the top-level gradient_clipping"),
     "weight_quantization": Refused(f"quantized weights: {_CHANGES_MATH}"),
     "data_efficiency": Refused(
         "DeepSpeed's data sampling and routing (curriculum, random-LTD) is not implemented: "

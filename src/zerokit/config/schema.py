@@ -150,7 +150,7 @@ class OffloadOptimizerConfig(_Section):
     @model_validator(mode="after")
     def _valid(self) -> "OffloadOptimizerConfig":
         if self.device == "nvme":
-            raise ValueError("offload_optimizer.device 'nvme' is not implemented (ZeRO-Infinity); "
+            raise ValueError("offload_optimizer.device 'nvme' is not implemented yet (ZeRO-Infinity, issue #16); "
                              "allowed: 'cpu', 'none'")
         if self.ratio != "auto" and not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"offload_optimizer.ratio must be in [0, 1] or 'auto' (got {self.ratio!r})")
@@ -166,7 +166,7 @@ class OffloadParamConfig(_Section):
     @model_validator(mode="after")
     def _valid(self) -> "OffloadParamConfig":
         if self.device == "nvme":
-            raise ValueError("offload_param.device 'nvme' is not implemented (ZeRO-Infinity); "
+            raise ValueError("offload_param.device 'nvme' is not implemented yet (ZeRO-Infinity, issue #16); "
                              "allowed: 'cpu', 'none'")
         return self
 
