@@ -37,9 +37,10 @@ def load_config(config: "ZeroKitConfig | dict[str, Any] | str | os.PathLike | No
         raise ConfigError(
             f"config must be a dict, a JSON path or a ZeroKitConfig (got {type(config).__name__})")
     config, renamed = rename_legacy(config)
-    config, autos, problems = split_auto(config)
-    config, refused = check_refused(config)
-    problems += refused
+    # An "auto" zerokit cannot resolve fails at initialize (resolve_auto), not here: zero.Init
+    # reads the HF Trainer's config before the Trainer has filled every "auto" (the scheduler's).
+    config, autos, unresolved = split_auto(config)
+    config, problems = check_refused(config)
     if problems:
         raise ConfigError("invalid zerokit config:\n  " + "\n  ".join(problems))
     config, ignored = strip_undeclared(config)
@@ -49,5 +50,6 @@ def load_config(config: "ZeroKitConfig | dict[str, Any] | str | os.PathLike | No
         raise describe(e, ZeroKitConfig) from None
     cfg._ignored_raw = ignored
     cfg._auto_keys = autos
+    cfg._unresolved_auto = unresolved
     cfg._renamed = renamed
     return cfg

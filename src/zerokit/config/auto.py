@@ -59,7 +59,8 @@ def _unresolvable(path: str) -> str:
 
 
 def split_auto(raw: dict[str, Any]) -> tuple[dict[str, Any], set[str], list[str]]:
-    """(raw without the "auto" values zerokit resolves, their paths, a message per other one).
+    """(raw without any "auto" value, the paths of those zerokit resolves, a message per other
+    one: resolve_auto raises them, so that only initialize needs every value).
 
     The caller's dict is not changed."""
     resolvable, problems, out = set(), [], raw
@@ -73,6 +74,7 @@ def split_auto(raw: dict[str, Any]) -> tuple[dict[str, Any], set[str], list[str]
             out = _without(out, parts)
         else:
             problems.append(_unresolvable(path))
+            out = _without(out, parts)
     given = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if raw.get(k) not in (None, AUTO)]
     if not given and any(k in resolvable for k in BATCH_KEYS):
         problems.append(
@@ -109,7 +111,9 @@ def hidden_size_of(model: "nn.Module") -> int | None:
 
 def resolve_auto(cfg: "ZeroKitConfig", model: "nn.Module") -> "ZeroKitConfig":
     """cfg with its "auto" bucket sizes set from the model's hidden size (batch sizes stay unset:
-    resolve_batch derives them)."""
+    resolve_batch derives them); any other "auto" is an error naming it and what fills it."""
+    if cfg._unresolved_auto:
+        raise ConfigError("invalid zerokit config:\n  " + "\n  ".join(cfg._unresolved_auto))
     keys = sorted(p.split(".", 1)[1] for p in cfg.auto_keys if p.startswith("zero_optimization."))
     if not keys:
         return cfg

@@ -249,6 +249,7 @@ class ZeroKitConfig(_Section):
     # Paths whose "auto" zerokit resolves (config/auto.py), and DeepSpeed's old names read as new.
     _auto_keys: set[str] = PrivateAttr(default_factory=set)
     _renamed: list[str] = PrivateAttr(default_factory=list)
+    _unresolved_auto: list[str] = PrivateAttr(default_factory=list)  # a message per other "auto"
 
     @property
     def ignored_raw(self) -> dict[str, Any]:
