@@ -4,8 +4,8 @@ compatibility distribution, or the real DeepSpeed): run as a script, it prints o
     python _hf_trainer_run.py '{"stage": 2, "offload": true, "out": "/tmp/x", ...}'
 
 Spec keys: stage, offload, out (a fresh directory), steps, resize (call resize_token_embeddings
-before training), resume (train `steps`, then a second Trainer resumes from the checkpoint at
-`save_at` and trains to `steps`), config (a full DeepSpeed config with "auto" values instead of
+before training), save_at (save a checkpoint every that many steps), resume_from (a checkpoint
+directory under out: resume from it and train to `steps`), config (a full DeepSpeed config with "auto" values instead of
 the built one). The model is a tiny GPT-2 from a config (no download); the data is a fixed
 random token set, so both runs see the same batches.
 """
@@ -51,6 +51,8 @@ def _model():
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    # Built outside zero.Init, so that every stage starts from the same weights (the engine
+    # partitions them at initialize).
     return GPT2LMHeadModel(cfg)
 
 
@@ -68,8 +70,19 @@ class _Tokens:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _trainer(spec: dict, model, steps: int, config: dict):
-    from transformers import Trainer, TrainingArguments, TrainerCallback
+def _args(spec: dict, steps: int, config: dict):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=spec["out"], per_device_train_batch_size=MICRO, gradient_accumulation_steps=2,
+        learning_rate=LR, max_steps=steps, logging_steps=1, save_steps=spec.get("save_at", 10**6),
+        save_strategy="steps", report_to=[], deepspeed=config, seed=0, data_seed=0,
+        max_grad_norm=1.0, warmup_steps=2, lr_scheduler_type="constant_with_warmup",
+        dataloader_num_workers=0, disable_tqdm=True, use_cpu=not _cuda())
+
+
+def _trainer(args, model):
+    from transformers import Trainer, TrainerCallback
 
     losses: list[float] = []
 
@@ -78,12 +91,6 @@ def _trainer(spec: dict, model, steps: int, config: dict):
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
 
-    args = TrainingArguments(
-        output_dir=spec["out"], per_device_train_batch_size=MICRO, gradient_accumulation_steps=2,
-        learning_rate=LR, max_steps=steps, logging_steps=1, save_steps=spec.get("save_at", 10**6),
-        save_strategy="steps", report_to=[], deepspeed=config, seed=0, data_seed=0,
-        max_grad_norm=1.0, warmup_steps=2, lr_scheduler_type="constant_with_warmup",
-        dataloader_num_workers=0, disable_tqdm=True, use_cpu=not _cuda())
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens(64), callbacks=[Record()])
     return trainer, losses
 
@@ -101,26 +108,26 @@ def main(spec: dict) -> dict:
 
     config = spec.get("config") or ds_config(spec["stage"], spec.get("offload", False))
     result: dict = {"deepspeed": deepspeed.__version__}
+    steps = spec.get("steps", 6)
+    args = _args(spec, steps, config)  # first: it turns on zero.Init for ZeRO-3 (HF's order)
     model = _model()
     if spec.get("resize"):
         model.resize_token_embeddings(VOCAB + 8)
-    steps = spec.get("steps", 6)
-    trainer, losses = _trainer(spec, model, steps, config)
-    trainer.train()
+    trainer, losses = _trainer(args, model)
+    if spec.get("resume_from"):  # a fresh process (Accelerate allows one DeepSpeed plugin each)
+        trainer.train(resume_from_checkpoint=os.path.join(spec["out"], spec["resume_from"]))
+    else:
+        trainer.train()
     result["losses"] = losses
-    if spec.get("resume"):
-        model2 = _model()
-        if spec.get("resize"):
-            model2.resize_token_embeddings(VOCAB + 8)
-        trainer2, losses2 = _trainer(spec, model2, steps, config)
-        ckpt = os.path.join(spec["out"], f"checkpoint-{spec['save_at']}")
-        trainer2.train(resume_from_checkpoint=ckpt)
-        result["resumed_losses"] = losses2
-        trainer = trainer2
     saved = os.path.join(spec["out"], "final")
     trainer.save_model(saved)
     trainer.accelerator.wait_for_everyone()
     if int(os.environ.get("RANK", "0")) == 0:
+        # Load as a user does after training: outside the Trainer's ZeRO-3 context (inside it,
+        # from_pretrained builds a partitioned model under zero.Init, which only an engine runs).
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
         loaded, info = GPT2LMHeadModel.from_pretrained(saved, output_loading_info=True)
         result["loading_info"] = {k: sorted(map(str, v)) for k, v in info.items()}
         result["saved_files"] = sorted(os.listdir(saved))

@@ -72,6 +72,15 @@ def _close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a, b))
 
 
+def _deepspeed_reference(spec: dict) -> dict:
+    """The DeepSpeed run to compare with. DeepSpeed 0.19.8's stage 3 on the CPU accelerator fails
+    at the second step of this run (RuntimeError: 'weight' must be 2-D, in the embedding: a weight
+    left partitioned), so stage 3 is compared with DeepSpeed's stage 2 of the same run: the stage
+    changes where bytes live, not the math (zerokit's stage 1 and 2 match DeepSpeed's exactly)."""
+    return {**spec, "stage": 2} if spec["stage"] == 3 and not os.environ.get("CUDA_VISIBLE_DEVICES") \
+        else spec
+
+
 CASES = [
     pytest.param({"stage": 1}, id="stage1"),
     pytest.param({"stage": 1, "offload": True}, id="stage1-offload"),
@@ -81,8 +90,8 @@ CASES = [
     pytest.param({"stage": 3, "offload": True}, id="stage3-offload"),
     pytest.param({"stage": 2, "resize": True}, id="stage2-resize"),
     pytest.param({"stage": 3, "resize": True}, id="stage3-resize"),
-    pytest.param({"stage": 2, "resume": True, "save_at": 3}, id="stage2-resume"),
-    pytest.param({"stage": 3, "offload": True, "resume": True, "save_at": 3}, id="stage3-offload-resume"),
+    pytest.param({"stage": 2, "save_at": 3}, id="stage2-resume"),
+    pytest.param({"stage": 3, "offload": True, "save_at": 3}, id="stage3-offload-resume"),
 ]
 
 
@@ -93,16 +102,19 @@ def test_trainer_matches_deepspeed(spec, compat_site, tmp_path) -> None:
     (tmp_path / "zk").mkdir()
     (tmp_path / "ds").mkdir()
     zk = run_trainer(spec, tmp_path / "zk", compat_site, 29631)
-    ds = run_trainer(spec, tmp_path / "ds", None, 29632)
+    ds = run_trainer(_deepspeed_reference(spec), tmp_path / "ds", None, 29632)
     assert zk["deepspeed"].endswith("+zerokit") and "zerokit" not in ds["deepspeed"]
     print(f"\nLOSSES {spec}: zerokit {zk['losses']}\n        deepspeed {ds['losses']}")
     assert len(zk["losses"]) == 6, zk["losses"]
     assert _close(zk["losses"], ds["losses"]), (zk["losses"], ds["losses"])
-    if spec.get("resume"):
-        # The resumed run logs steps save_at+1 .. 6: the same losses as the uninterrupted run.
+    if spec.get("save_at"):
+        # A fresh process resumes from checkpoint-save_at and logs steps save_at+1 .. 6: the same
+        # losses as the uninterrupted run.
+        resume = {**spec, "resume_from": f"checkpoint-{spec['save_at']}"}
+        zk = run_trainer(resume, tmp_path / "zk", compat_site, 29633)
         tail = ds["losses"][spec["save_at"]:]
-        assert _close(zk["resumed_losses"], tail), (zk["resumed_losses"], tail)
-        assert _close(ds["resumed_losses"], tail), (ds["resumed_losses"], tail)
+        print(f"RESUMED {spec}: zerokit {zk['losses']}")
+        assert _close(zk["losses"], tail), (zk["losses"], tail)
     for run in (zk, ds):
         assert run["loading_info"] == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
                                        "error_msgs": []}, run["loading_info"]
@@ -141,6 +153,6 @@ HF_ZERO3 = {  # transformers' documented ZeRO-3 example
 def test_hf_documented_configs_load_through_the_trainer(config, compat_site, tmp_path) -> None:
     """Unedited: the Trainer fills the "auto"s, zerokit trains, saves and the result loads."""
     zk = run_trainer({"stage": config["zero_optimization"]["stage"], "config": config}, tmp_path,
-                     compat_site, 29633)
+                     compat_site, 29634)
     assert len(zk["losses"]) == 6 and all(x == x for x in zk["losses"]), zk["losses"]
     assert zk["loading_info"]["missing_keys"] == [], zk["loading_info"]
