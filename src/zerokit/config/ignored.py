@@ -9,7 +9,11 @@ believe they act. So each such key is one line of `IGNORED` (its dotted path -> 
   (type, range) and reported when the config sets it to a value outside `honoured`, the values
   that describe what zerokit always does anyway.
 - A path the schema does not declare (DeepSpeed's `tensorboard`, `wandb`, ...) is accepted with
-  any value: `strip_undeclared` removes it before validation, and it is reported whenever set.
+  any value: `strip_undeclared` removes it before validation, and it is reported whenever set
+  to a value outside `honoured`.
+
+Keys zerokit refuses (they would change the math, or wait for an issue) are config/refused.py;
+docs/deepspeed.md shows both tables with every key zerokit implements.
 """
 from __future__ import annotations
 
@@ -40,6 +44,117 @@ IGNORED: dict[str, Ignored] = {
         "supports) and not at stage 3; zerokit all-gathers each unit in place into the unit's own "
         "buffer, so there is no staging buffer for it to bound (stage 3 gathers are bounded by "
         "stage3_prefetch_bucket_size and stage3_max_live_parameters)"),
+    "zero_optimization.sub_group_size": Ignored(
+        "zerokit steps each unit's optimizer shard in one call (the unit is the sub-group), and "
+        "the step's memory is the shard's, with no sub-group buffers to bound; the key will size "
+        "the sub-groups streamed from NVMe (ZeRO-Infinity, issue #16)",
+        honoured=(1_000_000_000,)),
+    **{f"zero_optimization.{key}": Ignored(reason, honoured=honoured) for key, reason, honoured in [
+        ("allgather_partitions", "zerokit always all-gathers the updated partitions into each "
+         "unit's buffer (false: DeepSpeed broadcasts them instead, the same values)", (True,)),
+        ("use_multi_rank_bucket_allreduce", "DeepSpeed's bucketing of small all-reduces across "
+         "ranks; zerokit reduces per unit in reduce_bucket_size pieces (the same values)", (True,)),
+        ("compute_grad_norm", "zerokit computes the gradient norm when gradient_clipping or "
+         "dynamic fp16 loss scaling needs it (get_global_grad_norm() is None otherwise)", ()),
+        ("load_from_fp32_weights", "zerokit checkpoints hold the fp32 master, and loading always "
+         "restores it from there", (True,)),
+        ("elastic_checkpoint", "zerokit checkpoints load into any world size and stage (resharded "
+         "on load), so there is nothing to enable", ()),
+        ("round_robin_gradients", "a DeepSpeed stage 1-2 offload copy order; zerokit copies each "
+         "bucket to the host as soon as it is reduced (the same values)", (False,)),
+        ("ignore_unused_parameters", "zerokit always accepts parameters without a gradient: a "
+         "unit that no rank used is left out of the step, as torch's optimizers do", (True,)),
+        ("legacy_stage1", "DeepSpeed's old stage 1 implementation; zerokit has one", (False,)),
+        ("parameter_alignment", "zerokit aligns every shard to its own boundary", (False,)),
+        ("memory_efficient_linear", "zero.Init's linear-layer autograd function in DeepSpeed; "
+         "zerokit's units need none (the same values)", (True,)),
+        ("pipeline_loading_checkpoint", "for pipeline-parallel checkpoint loading; zerokit has no "
+         "pipeline parallelism", (False,)),
+        ("override_module_apply", "DeepSpeed patches module.apply under stage 3; zerokit gathers a "
+         "unit where its module runs", (True,)),
+        ("log_trace_cache_warnings", "DeepSpeed's stage 3 trace warnings; zerokit's trace reports "
+         "a changed order itself", (False,)),
+        ("enable_sanity_checks", "DeepSpeed's stage 3 self-checks; zerokit checks its rank "
+         "agreement always", (False,)),
+        ("save_muon_momentum_buffer_in_memory", "for the Muon optimizer, which zerokit does not "
+         "offer", (False,)),
+        ("stage3_model_persistence_threshold", "zerokit bounds persistence per unit by "
+         "stage3_param_persistence_threshold only", ()),
+        ("stage3_module_granularity_threshold", "zerokit's units are chosen by the wrap policy "
+         "(initialize(wrap=)), not by a size threshold", (0,)),
+        ("stage3_use_all_reduce_for_fetch_params", "zerokit gathers weights with all-gather "
+         "(DeepSpeed's all-reduce variant moves the same values)", (False,)),
+        ("stage3_allgather_sequential", "zerokit gathers each unit in one collective", (False,)),
+        ("cpu_offload_use_pin_memory", "deprecated in DeepSpeed, which does not act on it either; "
+         "offload_optimizer.pin_memory and offload_param.pin_memory decide", ()),
+    ]},
+    # Used only with device 'nvme', which zerokit refuses until issue #16 (ZeRO-Infinity);
+    # DeepSpeed ignores them with 'cpu' and 'none' too.
+    **{f"zero_optimization.{section}.{key}": Ignored(
+        f"used only with {section}.device 'nvme' (ZeRO-Infinity, issue #16, not implemented yet)")
+       for section, keys in [("offload_param", ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
+                             ("offload_optimizer", ("nvme_path", "buffer_count", "pipeline_read",
+                                                    "pipeline_write", "fast_init"))]
+       for key in keys},
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": Ignored(
+        "zerokit's host optimizer uses the OpenMP threads of the process (OMP_NUM_THREADS)"),
+    "aio": Ignored("asynchronous I/O for NVMe offload, which zerokit refuses until issue #16 "
+                   "(ZeRO-Infinity)"),
+    **{key: Ignored(reason, honoured=honoured) for key, reason, honoured in [
+        ("tensorboard", "zerokit writes no monitor events; log from the training loop (the HF "
+         "Trainer's report_to does)", ()),
+        ("wandb", "zerokit writes no monitor events; log from the training loop (the HF Trainer's "
+         "report_to does)", ()),
+        ("csv_monitor", "zerokit writes no monitor events; log from the training loop", ()),
+        ("comet", "zerokit writes no monitor events; log from the training loop", ()),
+        ("comms_logger", "zerokit logs no per-collective timings (a collective that hangs fails "
+         "after comm_timeout_s, naming itself)", ()),
+        ("flops_profiler", "zerokit has no FLOPs profiler (use torch.profiler)", ()),
+        ("autotuning", "zerokit has no autotuner; `zerokit estimate` shows the memory per plan", ()),
+        ("memory_breakdown", "zerokit prints no per-step memory lines; engine.memory_report() and the "
+         "start-up plan give the bytes per tier from its ledger", (False,)),
+        ("hybrid_engine", "DeepSpeed's RLHF generation engine; zerokit runs the module's own "
+         "generate (engine.generate) on gathered weights", ()),
+        ("tensor_parallel", "zerokit is data parallel only; a tensor-parallel size of 1 (all that "
+         "zerokit accepts) is plain data parallelism", ()),
+        ("data_types", "zerokit accumulates gradients across micro-steps in fp32 and keeps "
+         "parameters and float buffers in the compute dtype; grad_accum_dtype, param_dtype, "
+         "buffer_dtype and keep_in_fp32_modules are not applied", ()),
+        ("zero_allow_untested_optimizer", "zerokit steps any torch optimizer it can build over "
+         "its shards; there is no list of tested optimizers to override", ()),
+        ("zero_force_ds_cpu_optimizer", "zerokit picks the host optimizer for offload itself (its "
+         "native HostAdam / HostAdagrad / HostLion for the optimizer's type)", ()),
+        ("dump_state", "zerokit prints its effective plan at start-up (ZEROKIT_LOG=INFO)", (False,)),
+        ("disable_python_gc", "zerokit leaves Python's garbage collector alone", ()),
+        ("disable_allgather", "zerokit all-gathers the updated partitions always", (False,)),
+        ("seq_parallel_communication_data_type", "zerokit has no sequence parallelism", ()),
+        ("vocabulary_size", "used by DeepSpeed's removed sparse-embedding gradients only", ()),
+        ("dataloader_drop_last", "the loader initialize(training_data=) builds always drops the "
+         "last incomplete batch (every rank steps the same number of times)", (True,)),
+        ("log_level", "zerokit logs through the 'zerokit' logger; ZEROKIT_LOG sets its level", ()),
+        ("use_data_before_expert_parallelism", "zerokit has no expert parallelism", ()),
+        ("pipeline", "settings of DeepSpeed's PipelineEngine; zerokit has no pipeline "
+         "parallelism", ()),
+        ("compile", "zerokit does not torch.compile the module itself; compile it before "
+         "initialize", ()),
+        ("timers", "zerokit's engine.tput_timer is always on", ()),
+        ("datastates_ckpt", "zerokit's checkpoints are its own (atomic, resharding)", ()),
+        ("optimizer.legacy_fusion", "a DeepSpeed fp16 optimizer flavour; zerokit has one", (False,)),
+        ("checkpoint.tag_validation", "zerokit does not compare tags across ranks; every rank "
+         "writes under the tag it is given and the commit is atomic", ()),
+        ("checkpoint.use_node_local_storage", "zerokit writes every rank's files into the "
+         "directory it is given, which must be shared by all nodes (the HF Trainer sets this "
+         "key for save_on_each_node)", (False,)),
+        ("checkpoint.load_universal", "zerokit checkpoints always load into any world size and "
+         "stage (resharded on load)", ()),
+        ("checkpoint.parallel_write", "pipeline-parallel checkpoint writing; zerokit has no "
+         "pipeline parallelism", ()),
+        ("checkpoint.checkpoint_serialization", "zerokit's own file layout", ()),
+        ("checkpoint.writer", "zerokit writes with its own writer (checkpoint.async_save for "
+         "background writes)", ()),
+        ("bf16.immediate_grad_update", "zerokit adds each micro-step's bf16 gradients into an fp32 "
+         "buffer straight away (DeepSpeed's true)", (True,)),
+    ]},
 }
 
 
@@ -92,7 +207,8 @@ def ignored_settings(cfg: "ZeroKitConfig") -> list[tuple[str, Any, str]]:
     found = []
     for path, entry in IGNORED.items():
         if path in removed:
-            found.append((path, removed[path], entry.reason))
+            if removed[path] not in entry.honoured:
+                found.append((path, removed[path], entry.reason))
             continue
         section: Any = cfg
         parts = _split(path)

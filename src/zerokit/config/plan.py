@@ -28,6 +28,9 @@ def report_startup(engine: "Engine") -> None:
     found = ignored_settings(engine.config)
     if found:
         log.warning(format_ignored(found))
+    if engine.config.renamed:
+        log.warning("config keys under DeepSpeed's deprecated names, read as the current ones: "
+                    + ", ".join(engine.config.renamed))
     if log.isEnabledFor(logging.INFO):
         log.info(explain(engine))
 

@@ -150,7 +150,7 @@ class OffloadOptimizerConfig(_Section):
     @model_validator(mode="after")
     def _valid(self) -> "OffloadOptimizerConfig":
         if self.device == "nvme":
-            raise ValueError("offload_optimizer.device 'nvme' is not implemented (ZeRO-Infinity); "
+            raise ValueError("offload_optimizer.device 'nvme' is not implemented yet (ZeRO-Infinity, issue #16); "
                              "allowed: 'cpu', 'none'")
         if self.ratio != "auto" and not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"offload_optimizer.ratio must be in [0, 1] or 'auto' (got {self.ratio!r})")
@@ -166,7 +166,7 @@ class OffloadParamConfig(_Section):
     @model_validator(mode="after")
     def _valid(self) -> "OffloadParamConfig":
         if self.device == "nvme":
-            raise ValueError("offload_param.device 'nvme' is not implemented (ZeRO-Infinity); "
+            raise ValueError("offload_param.device 'nvme' is not implemented yet (ZeRO-Infinity, issue #16); "
                              "allowed: 'cpu', 'none'")
         return self
 
@@ -186,6 +186,14 @@ class ZeroConfig(_Section):
         100_000, ge=0, description="Units this small stay gathered (no per-use collectives).")
     stage3_max_reuse_distance: Int = Field(
         1_000_000_000, ge=0, description="Keep a unit gathered if used again within this many elements.")
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="What engine.zero_gather_16bit_weights_on_model_save() answers: the HF "
+                           "Trainer and Accelerate then save the full 16-bit weights "
+                           "(_zero3_consolidated_16bit_state_dict); DeepSpeed's old name "
+                           "stage3_gather_fp16_weights_on_model_save is the same key.")
+    sub_group_size: Int = Field(
+        1_000_000_000, gt=0, description="Elements per optimizer sub-group. zerokit steps each "
+                                         "unit's optimizer shard whole (see config/ignored.py).")
     reshard_after_forward: bool = Field(
         True, description="zerokit (FSDP's name): release a unit after its forward; False keeps "
                           "it gathered until its backward, trading memory for one all-gather.")
@@ -229,22 +237,57 @@ class ZeroKitConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
         None, description="dtype of gradient collectives; default fp32 for bf16, else the compute dtype.")
-    steps_per_print: Int = Field(10, gt=0)
+    steps_per_print: Int | float = Field(
+        10, gt=0, description="Print a progress line every this many steps; infinity (Accelerate "
+                              "passes float('inf')) or any huge value: never.")
+    prescale_gradients: bool = Field(
+        False, description="Divide gradients by the world size before the reduction (sum) instead "
+                           "of after it.")
+    gradient_predivide_factor: float = Field(
+        1.0, gt=0, description="Without prescale_gradients: divide gradients by this factor before "
+                               "the reduction (sum) and by world_size / factor after it.")
     wall_clock_breakdown: bool = False
     comm_timeout_s: float = Field(
         1800.0, gt=0, description="zerokit: a collective that waits longer fails, naming the step.")
     # Keys config/ignored.py accepted without a schema field, {path: value}, for the start-up report.
     _ignored_raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
+    # Paths whose "auto" zerokit resolves (config/auto.py), and DeepSpeed's old names read as new.
+    _auto_keys: set[str] = PrivateAttr(default_factory=set)
+    _renamed: list[str] = PrivateAttr(default_factory=list)
+    _unresolved_auto: list[str] = PrivateAttr(default_factory=list)  # a message per other "auto"
+
     @property
     def ignored_raw(self) -> dict[str, Any]:
         return self._ignored_raw
 
+    @property
+    def auto_keys(self) -> set[str]:
+        return self._auto_keys
+
+    @property
+    def renamed(self) -> list[str]:
+        return self._renamed
+
     @model_validator(mode="after")
     def _no_contradictions(self) -> "ZeroKitConfig":
+        spp = self.steps_per_print
+        if isinstance(spp, float) and spp != float("inf"):
+            raise ValueError(f"steps_per_print must be a whole number or infinity (got {spp!r})")
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled=true and bf16.enabled=true contradict: choose one")
         return self
+
+    def gradient_reduction_scales(self, world_size: int) -> tuple[float, float | None]:
+        """(factor before, factor after) the gradients' sum over ranks, DeepSpeed's rule: by
+        default 1/world_size after (None: the plain average); prescale_gradients: 1/world_size
+        before; gradient_predivide_factor f: 1/f before and f/world_size after."""
+        if self.prescale_gradients:
+            return 1.0 / world_size, 1.0
+        f = self.gradient_predivide_factor
+        if f == 1.0:
+            return 1.0, None
+        return 1.0 / f, f / world_size
 
     @property
     def compute_dtype_name(self) -> str:

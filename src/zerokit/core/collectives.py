@@ -245,12 +245,16 @@ class Comm:
     # ---- collectives --------------------------------------------------------------------------
     def all_reduce_(self, t: torch.Tensor, where: str, *, average: bool = False,
                     op: "dist.ReduceOp.RedOpType | None" = None, async_op: bool = False,
-                    unit: int | None = None) -> Handle:
-        """In place. With `unit`, ranks check they reduce the same unit (rank agreement)."""
+                    unit: int | None = None, post_scale: float | None = None) -> Handle:
+        """In place. With `unit`, ranks check they reduce the same unit (rank agreement).
+        post_scale: multiply the sum by it (instead of average's 1 / world_size)."""
         if self.world_size == 1:
             return Handle(None, None, self._describer("all_reduce", where), done=True)
         red = op if op is not None else dist.ReduceOp.SUM
-        finish = (lambda: t.div_(self.world_size)) if average else None
+        if post_scale is not None:
+            finish = (lambda: t.mul_(post_scale)) if post_scale != 1.0 else None
+        else:
+            finish = (lambda: t.div_(self.world_size)) if average else None
         call = lambda: dist.all_reduce(t, red, async_op=True)  # noqa: E731
         if unit is None:
             return self._run("all_reduce", where, call, finish, async_op)
@@ -258,8 +262,10 @@ class Comm:
                             async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, where: str, *,
-                       average: bool = True, async_op: bool = False, unit: int = -1) -> Handle:
-        """out (numel = full.numel() / world) <- this rank's slice of the sum (mean) of `full`.
+                       average: bool = True, async_op: bool = False, unit: int = -1,
+                       post_scale: float | None = None) -> Handle:
+        """out (numel = full.numel() / world) <- this rank's slice of the sum (mean) of `full`;
+        post_scale: multiply the sum by it (instead of average's 1 / world_size).
 
         `full` is either flat or a (world_size, n) view whose rows are each contiguous (a column
         range of a flat buffer's rows, so buckets need no gathering copy). Row r is rank r's part.
@@ -269,7 +275,7 @@ class Comm:
             raise ValueError(f"reduce_scatter for {where}: input has {full.numel()} elements, "
                              f"expected {n} x world_size {self.world_size}")
         rows = full.view(self.world_size, n) if full.dim() == 1 else full
-        scale = 1.0 / self.world_size if average else 1.0
+        scale = post_scale if post_scale is not None else 1.0 / self.world_size if average else 1.0
         if self.world_size == 1:
             out.copy_(rows[0].view_as(out))
             return Handle(None, None, self._describer("reduce_scatter", where), done=True)

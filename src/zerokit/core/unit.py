@@ -97,6 +97,10 @@ class ParamSlot:
 
 
 class Unit:
+    # Factors of the gradient reduction, a sum: (before it, after it); None after means average.
+    # prescale_gradients / gradient_predivide_factor set them (ZeroKitConfig.gradient_reduction_scales).
+    grad_scales: tuple[float, float | None] = (1.0, None)
+
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], *, module: nn.Module | None,
                  trainable: bool,
                  group_index: int, comm: Comm, policy: PartitionPolicy, compute_dtype: torch.dtype,
@@ -265,6 +269,9 @@ class Unit:
     def _reduce_into_master(self, full: torch.Tensor) -> Handle:
         """Average `full` over ranks into master_grad, in collectives of at most bucket_numel."""
         comm, world = self.comm, self.comm.world_size
+        pre, post = self.grad_scales
+        if pre != 1.0 and world > 1:  # at world 1, pre and post cancel: DeepSpeed's rounding aside
+            full.mul_(pre)
         owned = {t.data_ptr() for t in (self.grad_flat, self.grad_acc) if t is not None}
         release = (lambda: None) if full.data_ptr() in owned else self.ledger.transient("buffers", full)
         handles: list[Handle] = []
@@ -273,7 +280,7 @@ class Unit:
             for lo in range(0, self.padded_numel, step):
                 part = full[lo:lo + step]
                 handles.append(comm.all_reduce_(part, self._where(lo, step), average=True, async_op=True,
-                                                unit=self.index))
+                                                unit=self.index, post_scale=post))
             return _join(handles, lambda: (self._deliver(self.master_grad, full), release()))
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         chunk = max(ALIGN, -(-self.bucket_numel // (world * ALIGN)) * ALIGN)
@@ -283,7 +290,8 @@ class Unit:
             # One bucket = the same column range of every rank's shard, so a reduce-scatter of it
             # hands each rank its own piece.
             handle = comm.reduce_scatter(out[lo:hi], rows[:, lo:hi], self._where(lo, chunk),
-                                         average=True, async_op=True, unit=self.index)
+                                         average=True, async_op=True, unit=self.index,
+                                         post_scale=post)
             if self.host is not None:  # offload: each bucket leaves for the host once reduced
                 handle = _join([handle], lambda lo=lo, hi=hi: self._accept_grad(out, lo, hi))
             handles.append(handle)

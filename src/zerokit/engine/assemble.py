@@ -6,7 +6,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from zerokit.config import load_config
+from zerokit.config import load_config, resolve_auto
 from zerokit.config.plan import report_startup
 from zerokit.core.collectives import Comm
 from zerokit.core.devices import model_device_of
@@ -35,7 +35,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (got {type(model).__name__})")
-    cfg = load_config(config if config is not None else config_params)
+    cfg = resolve_auto(load_config(config if config is not None else config_params), model)
     # Before anything allocates: under a launcher each rank's GPU is its LOCAL_RANK; alone on a
     # CUDA machine, the GPU the model is on (else cuda:0); see core/devices.py.
     comm = Comm.from_environment(cfg.comm_timeout_s, model_device_of(model))
@@ -68,6 +68,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     retire_constructed(model)
     for index, unit in enumerate(units):
         unit.index = index
+        unit.grad_scales = cfg.gradient_reduction_scales(comm.world_size)
     comm.unit_names = [u.name for u in units]  # divergence errors name the other rank's unit
     # Before the optimizer is built: torch's optimizer steps only the device parts.
     stepper, placement = _offload(units, placement, comm.device, dtype, recipe.kind)

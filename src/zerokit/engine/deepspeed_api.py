@@ -119,10 +119,11 @@ class DeepSpeedEngineAPI:
 
     # ---- consolidated weights -----------------------------------------------------------------
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """The config's zero_optimization.stage3_gather_16bit_weights_on_model_save (DeepSpeed's
-        default: false). Accelerate consults it before calling _zero3_consolidated_16bit_state_dict."""
-        zero = self.config.get("zero_optimization", {})
-        return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+        """The config's zero_optimization.stage3_gather_16bit_weights_on_model_save (or its old name
+        stage3_gather_fp16_weights_on_model_save; default false). Accelerate consults it before
+        calling _zero3_consolidated_16bit_state_dict at stage 3, and the HF Trainer otherwise saves
+        a DeepSpeed checkpoint instead of the weights."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
                                              ) -> dict[str, torch.Tensor]:
