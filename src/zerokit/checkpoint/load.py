@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from zerokit.checkpoint.metadata import COMMON, FORMAT, META, Layout, check_names, overlaps, rank_file, shard_file
-from zerokit.checkpoint.offload_state import (drop_own_pending_update, load_host_state, load_master,
-                                              restore_pipeline)
+from zerokit.checkpoint.offload_state import (drop_own_pending_update, host_parts, load_host_state,
+                                              load_master, restore_pipeline)
 from zerokit.checkpoint.save import LATEST, _sampler, persistent_buffers, wait_for_checkpoint
 from zerokit.checkpoint.storage import ShardFile
 from zerokit.core.unit import WeightState
@@ -244,8 +244,8 @@ def _load_optimizer(engine: "Engine", saved: SavedTensors, layout: Layout, names
         a, b = u.opt_range
         first = next(iter(sources))
         scalars = common["optim_scalars"].get(first, {})
-        if u.host is not None:
-            load_host_state(saved, u, list(keys), names, scalars, common.get("offload"), first)
+        for host in host_parts(u):
+            load_host_state(saved, u, host, list(keys), names, scalars, common.get("offload"), first)
         if not keys:  # never stepped: no state, as a fresh optimizer
             continue
         state: dict[str, Any] = {}
