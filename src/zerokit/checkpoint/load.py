@@ -241,7 +241,7 @@ def _load_optimizer(engine: "Engine", saved: SavedTensors, layout: Layout, names
                              f"optimizer state ({sorted(keysets)}); cannot merge them")
         (keys,) = keysets
         old = opt.state.pop(u.master, {})
-        a, b = u.opt_range
+        device = u.parts[-1]  # torch's optimizer holds the device part's state
         first = next(iter(sources))
         scalars = common["optim_scalars"].get(first, {})
         for host in host_parts(u):
@@ -256,7 +256,7 @@ def _load_optimizer(engine: "Engine", saved: SavedTensors, layout: Layout, names
             t = old.get(k)
             if not (torch.is_tensor(t) and t.shape == u.master.shape and t.dtype == torch.float32):
                 t = torch.empty_like(u.master, dtype=torch.float32)
-            saved.fill(u, f"optim.{k}", a + u.host_numel, b, t, names, zero_rest=True)
+            saved.fill(u, f"optim.{k}", device.lo, device.hi, t, names, zero_rest=True)
             state[k] = t
         opt.state[u.master] = state
 

@@ -136,7 +136,9 @@ class Unit:
         self.opt_range = layout.opt_range
         self._release_bytes = None  # ledger release of the gathered full weights (stage 3)
         self._sync_initial_values()
-        self._allocate(tiers_for(ledger, self.device))
+        self._retired = False  # zero.Init's construction units give their parameters away
+        self._tiers = tiers_for(ledger, self.device)
+        self._allocate(self._tiers)
         self._ready: set[int] = set()
         self._launched = False
         self.used = False  # got a gradient since the last step (see Engine._skip_unused)
@@ -445,12 +447,19 @@ class Unit:
 
     def retire(self) -> None:
         """Give up the parameters to another unit (zero.Init's construction units): free our
-        buffers and forget the parameters without touching their `.data`."""
+        buffers and forget the parameters without touching their `.data`. Idempotent (an
+        adopted unit is retired again with the model's orphans)."""
+        if self._retired:
+            return
+        self._retired = True
         for s in self.slots:
             if unit_of(s.param) is self:
                 del _UNIT_OF[id(s.param)]
         self.flat.untyped_storage().resize_(0)
         self.shard = None
+        for r in self.layout.records:  # what the tiers allocated leaves the ledger with them
+            if r.alias_of is None and not r.transient:
+                self._tiers[r.tier].free(f"{self.name}/{r.name}")
         if self.state is not WeightState.SHARDED:
             self._move(WeightState.SHARDED)
         if self._release_bytes is not None:
