@@ -88,3 +88,33 @@ def test_the_engine_refuses_backward_inside_forward() -> None:
     with pytest.raises(IllegalTransition, match="'idle' -> 'recompute'"):
         engine._move(TrainingState.RECOMPUTE)  # recomputation happens only inside backward
     engine.destroy()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_hooks_tell_recomputation_from_forward(use_reentrant) -> None:
+    """A block called through torch.utils.checkpoint (as Hugging Face models do) runs its forward
+    twice: in forward, and again inside backward, which the engine's hooks see as RECOMPUTE."""
+    from torch.utils.checkpoint import checkpoint
+
+    from zerokit.core.states import TrainingState
+
+    engine = _engine(2, offload=False)
+    model = engine.module
+    block = model.transformer.h[0]
+    seen = []
+    block.register_forward_pre_hook(lambda *_: seen.append(engine.training_state))
+    t = model.transformer
+
+    def forward(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = t.drop(t.wte(idx) + t.wpe(torch.arange(idx.shape[1])))
+        for b in t.h:
+            x = checkpoint(b, x, use_reentrant=use_reentrant)
+        logits = model.lm_head(t.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    model.forward = forward
+    x = torch.randint(0, 256, (MICRO, 16))
+    engine.backward(engine(x, x))
+    assert seen == [TrainingState.FORWARD, TrainingState.RECOMPUTE], seen
+    assert engine.training_state is TrainingState.IDLE
+    engine.step()
+    engine.destroy()

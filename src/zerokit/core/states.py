@@ -53,7 +53,8 @@ LEGAL: dict[Enum, frozenset] = {
     TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD}),
     TrainingState.FORWARD: frozenset({TrainingState.IDLE}),
     TrainingState.BACKWARD: frozenset({TrainingState.IDLE, TrainingState.RECOMPUTE}),
-    TrainingState.RECOMPUTE: frozenset({TrainingState.BACKWARD}),
+    # back to backward when the recomputed module returns; idle when backward raised inside it
+    TrainingState.RECOMPUTE: frozenset({TrainingState.BACKWARD, TrainingState.IDLE}),
 }
 
 

@@ -66,6 +66,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._release_when_dropped.atexit = False  # at exit, peers may be gone: no collective waits
         self.executors = executors
         self.training_state = TrainingState.IDLE  # see [Note: state machines] (core/states.py)
+        self._recomputing: nn.Module | None = None  # the outermost module recomputing in backward
         self._reduce_now = False
         self._pending: deque[tuple[Handle, int]] = deque()
         self._pending_bytes = 0
@@ -109,13 +110,19 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def _start_iteration(self, *_hook_args: Any) -> None:
         self.scheduler.start_iteration()
 
-    def _before_forward(self, units: list[Unit], *_hook_args: Any) -> None:
+    def _before_forward(self, units: list[Unit], module: nn.Module, *_hook_args: Any) -> None:
+        if self.training_state is TrainingState.BACKWARD:  # a forward inside backward: recompute
+            self._move(TrainingState.RECOMPUTE)
+            self._recomputing = module
         for u in units:
             self.scheduler.use(u)
 
-    def _after_forward(self, units: list[Unit], _module: nn.Module, _args: Any, output: Any) -> None:
+    def _after_forward(self, units: list[Unit], module: nn.Module, _args: Any, output: Any) -> None:
         for u in units:
             self.scheduler.after_forward(u, output)
+        if self.training_state is TrainingState.RECOMPUTE and module is self._recomputing:
+            self._move(TrainingState.BACKWARD)
+            self._recomputing = None
 
     def _before_state_dict(self, *_args: Any, **_kwargs: Any) -> None:
         self.scheduler.check_state_dict()
@@ -164,6 +171,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                 self._drain(0)
         finally:
             self._move(TrainingState.IDLE)
+            self._recomputing = None
         for unit in self.units:
             unit.end_backward()
         self.scheduler.end_backward()
