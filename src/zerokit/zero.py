@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.core.unit import Unit, WeightState, unit_of
+from zerokit.policy import PlacementPolicy
 from zerokit.pretrained import LoadReport, load_pretrained_sharded  # noqa: F401  (public here)
 
 
@@ -201,16 +202,12 @@ class Init:
         if self.dtype is not None:
             for _, p in params:
                 p.data = p.data.to(self.dtype)
+        placement = PlacementPolicy(params_on_host=self.remote_device == "cpu",
+                                    param_pin_memory=self.pin_memory)
         unit = Unit(f"{type(module).__name__}@{id(module):x}", params, module=None, trainable=False,
                     group_index=-1, comm=self.comm, policy=self.policy,
                     compute_dtype=params[0][1].dtype, reduce_dtype=params[0][1].dtype,
-                    bucket_numel=1 << 62, ledger=self.ledger)
-        if self.remote_device == "cpu":
-            from zerokit.engine.offload import place_weight_shards
-            from zerokit.policy import PlacementPolicy
-
-            place_weight_shards([unit], PlacementPolicy(params_on_host=True,
-                                                        param_pin_memory=self.pin_memory))
+                    bucket_numel=1 << 62, ledger=self.ledger, placement=placement)
         _CONSTRUCTED[module] = unit
 
 

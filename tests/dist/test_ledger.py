@@ -52,3 +52,44 @@ def test_partitioned_bytes_are_one_nth() -> None:
         h0, h2 = b[("bf16", 0)], b[("bf16", 2)]
         assert h0["grads"] == padded * (2 + 4) and h0["master"] == padded * 4
         assert h2["grads"] == padded * 4 // world and h2["master"] == padded * 4 // world
+
+
+def _ledger_and_rss_growth(rank: int, world: int) -> dict:
+    """Build one unit whose layout offloads its optimizer range (Twin-Flow 3/4, delayed update:
+    host master, two host gradients, 16-bit output; then the host optimizer state) and measure
+    this process's RSS growth around it: on a CPU machine the device tier is host memory too."""
+    import psutil
+
+    from zerokit.core.collectives import Comm
+    from zerokit.core.unit import Unit
+    from zerokit.policy import PartitionPolicy, PlacementPolicy
+    from zerokit.tiers import Ledger
+
+    comm = Comm.from_environment(60.0)
+    weights = [torch.randn(1024, 1024) for _ in range(6)]  # kept: nothing the unit copies is freed
+    params = [(f"w{i}", torch.nn.Parameter(w)) for i, w in enumerate(weights)]
+    ledger = Ledger()
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    unit = Unit("u", params, module=None, trainable=True, group_index=0, comm=comm,
+                policy=PartitionPolicy.for_stage(1), compute_dtype=torch.bfloat16,
+                reduce_dtype=torch.bfloat16, bucket_numel=1 << 20, ledger=ledger,
+                placement=PlacementPolicy(ratio=0.75, delayed=True))
+    (host,) = [p for p in unit.parts if p.tier == "host"]
+    host.init_state("adam")
+    grown = proc.memory_info().rss - before
+    return {"grown": grown, "host": ledger.bytes(tier="host"), "device": ledger.bytes(tier="device"),
+            "host_records": sum(unit.layout.bytes("host").values()), "host_numel": host.numel}
+
+
+def test_ledger_bytes_are_the_allocated_bytes(monkeypatch) -> None:
+    # A fixed mmap threshold returns every large block to the OS on free and maps each large
+    # allocation afresh, so RSS follows live bytes (see test_zero_init).
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    (r,) = run_world(_ledger_and_rss_growth, 1)
+    k = r["host_numel"]
+    # master 4 + two gradients 8 + bf16 output 2 + Adam's two moments 8 bytes per host element.
+    assert r["host"] == k * (4 + 8 + 2 + 8) == r["host_records"] + 8 * k, r
+    measured = r["grown"]
+    counted = r["host"] + r["device"]  # what the tiers allocated, by the ledger
+    assert abs(measured - counted) < 0.03 * counted + (4 << 20), (measured, counted, r)

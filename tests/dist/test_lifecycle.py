@@ -66,7 +66,7 @@ def _cycle(rank: int, world: int, case: str, mode: str) -> tuple[list, list]:
         engine.destroy()
     buffers = [t for u in engine.units for t in (u.flat, u.shard, u.master, u.master_grad, u.grad_flat)
                if t is not None]
-    buffers += [u.host.master for u in engine.units if u.host is not None]
+    buffers += [p.master for u in engine.units for p in u.parts if p.tier == "host"]
     units = [weakref.ref(u) for u in engine.units]
     everything = [weakref.ref(model), weakref.ref(engine), weakref.ref(optimizer), *units]
     no_gc = units + [weakref.ref(t) for t in buffers]

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from zerokit.checkpoint.metadata import COMMON, FORMAT, META, Layout, check_names, overlaps, rank_file, shard_file
-from zerokit.checkpoint.offload_state import (drop_own_pending_update, load_host_state, load_master,
-                                              restore_pipeline)
+from zerokit.checkpoint.offload_state import (drop_own_pending_update, host_parts, load_host_state,
+                                              load_master, restore_pipeline)
 from zerokit.checkpoint.save import LATEST, _sampler, persistent_buffers, wait_for_checkpoint
 from zerokit.checkpoint.storage import ShardFile
 from zerokit.core.unit import WeightState
@@ -241,11 +241,11 @@ def _load_optimizer(engine: "Engine", saved: SavedTensors, layout: Layout, names
                              f"optimizer state ({sorted(keysets)}); cannot merge them")
         (keys,) = keysets
         old = opt.state.pop(u.master, {})
-        a, b = u.opt_range
+        device = u.parts[-1]  # torch's optimizer holds the device part's state
         first = next(iter(sources))
         scalars = common["optim_scalars"].get(first, {})
-        if u.host is not None:
-            load_host_state(saved, u, list(keys), names, scalars, common.get("offload"), first)
+        for host in host_parts(u):
+            load_host_state(saved, u, host, list(keys), names, scalars, common.get("offload"), first)
         if not keys:  # never stepped: no state, as a fresh optimizer
             continue
         state: dict[str, Any] = {}
@@ -256,7 +256,7 @@ def _load_optimizer(engine: "Engine", saved: SavedTensors, layout: Layout, names
             t = old.get(k)
             if not (torch.is_tensor(t) and t.shape == u.master.shape and t.dtype == torch.float32):
                 t = torch.empty_like(u.master, dtype=torch.float32)
-            saved.fill(u, f"optim.{k}", a + u.host_numel, b, t, names, zero_rest=True)
+            saved.fill(u, f"optim.{k}", device.lo, device.hi, t, names, zero_rest=True)
             state[k] = t
         opt.state[u.master] = state
 

@@ -1,8 +1,9 @@
 """Offloaded optimizer state in checkpoints (offload_optimizer: ZeRO-Offload, Twin-Flow).
 
 With offload, elements [a, a + k) of a unit's optimizer range [a, b) keep their fp32 master and
-optimizer state on the host (`unit.host`, a HostShard) and [a + k, b) stay in `unit.master` and
-torch's optimizer state. A checkpoint stores the whole range under the names it has without
+optimizer state on the host (a HostPart in `unit.parts`) and [a + k, b) stay in the DevicePart:
+`unit.master` and torch's optimizer state ([Note: optimizer parts] in core/parts.py). A
+checkpoint stores the whole range under the names it has without
 offload (`{unit}/master`, `{unit}/optim.{key}`), host part first, written as consecutive parts
 (never concatenated in memory). So the files, the resharding and consolidation do not depend on
 where the state lived: a checkpoint saved with offload loads without it and the other way round,
@@ -11,7 +12,7 @@ at any ratio and world size.
 [Note: host step counts] The host kernel computes Adam's bias correction from the integer count
 of updates, `1 - pow(beta, step)` in double, on both its native and fallback paths ([Note: bias
 correction] in csrc/kernels/dispatch.h); nothing is multiplied step by step. So storing the count
-(`HostShard.steps`, in common.pt beside torch's per-unit `step`) and restoring it reproduces every
+(`HostPart.steps`, in common.pt beside torch's per-unit `step`) and restoring it reproduces every
 later correction bit for bit. A load into an offloaded engine from a checkpoint saved without
 offload takes the count from torch's `step`.
 
@@ -48,28 +49,32 @@ IN_USE = "weights_in_use"
 def wait_for_host_updates(engine: "Engine") -> None:
     """A host update in flight (the delayed update's) finishes before its state is read."""
     for u in engine.units:
-        if u.host is not None:
-            u.host.wait()
+        for part in u.parts:
+            part.wait()
 
 
 def master_parts(u) -> Parts:
     """The unit's fp32 master over its whole optimizer range: host part, then device part."""
-    device = u.master.detach()
-    return [u.host.master, device] if u.host is not None else [device]
+    return [part.master_values() for part in u.parts]
+
+
+def host_parts(u) -> list:
+    return [part for part in u.parts if part.tier == "host"]
 
 
 def state_keys(u, state: dict) -> list[str]:
     """Optimizer state tensors shaped like the master, as torch's optimizer holds them."""
     keys = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == u.master.shape)
-    if u.host is not None and u.host.steps > 0 and keys != sorted(u.host.state):
-        raise RuntimeError(f"unit {u.name}: the host optimizer state has {sorted(u.host.state)} but the "
-                           f"device part's has {keys}; cannot save one optimizer state for the unit")
+    for host in host_parts(u):
+        if host.steps > 0 and keys != sorted(host.state):
+            raise RuntimeError(f"unit {u.name}: the host optimizer state has {sorted(host.state)} but "
+                               f"the device part's has {keys}; cannot save one optimizer state for the unit")
     return keys
 
 
 def state_parts(u, state: dict, key: str) -> Parts:
-    device = state[key]
-    return [u.host.state[key], device] if u.host is not None else [device]
+    """One state tensor over the optimizer range: torch's for the device part, the host part's."""
+    return [state[key] if part.tier == "device" else part.state[key] for part in u.parts]
 
 
 def pending_write_back(engine: "Engine") -> bool:
@@ -82,7 +87,7 @@ def offload_record(engine: "Engine") -> dict[str, Any] | None:
     stepper = engine.offload
     if stepper is None:
         return None
-    return {"host_steps": {u.name: u.host.steps for u in engine.units if u.host is not None},
+    return {"host_steps": {u.name: p.steps for u in engine.units for p in host_parts(u)},
             "launches": stepper.launches, "pending_write_back": pending_write_back(engine)}
 
 
@@ -108,24 +113,19 @@ def drop_own_pending_update(engine: "Engine") -> None:
 def load_master(saved, u, names: set[str]) -> None:
     """Master of the unit's optimizer range from the checkpoint; the host part's compute weights
     follow it exactly as a host step's write-back does (out16 = master rounded)."""
-    a, b = u.opt_range
-    k = u.host_numel
-    saved.fill(u, "values", a + k, b, u.master.data, names)
-    if u.host is None:
-        return
-    saved.fill(u, "values", a, a + k, u.host.master, names)
-    if u.host.out16 is not None:
-        u.host.out16.copy_(u.host.master)
-    u.host.write_weights()
-    if u.host.pin:
-        torch.cuda.current_stream().synchronize()
+    for part in u.parts:
+        saved.fill(u, "values", part.lo, part.hi, part.master.data, names)
+    for host in host_parts(u):
+        if host.out16 is not None:
+            host.out16.copy_(host.master)
+        host.write_weights()
+        if host.pin:
+            torch.cuda.current_stream().synchronize()
 
 
-def load_host_state(saved, u, keys: list[str], names: set[str], scalars: dict, record: dict | None,
-                    source: str) -> None:
-    """The host part's optimizer state and step count (see [Note: host step counts])."""
-    host = u.host
-    a = u.opt_range[0]
+def load_host_state(saved, u, host, keys: list[str], names: set[str], scalars: dict,
+                    record: dict | None, source: str) -> None:
+    """A host part's optimizer state and step count (see [Note: host step counts])."""
     if not keys:  # saved before any step: a fresh optimizer's state
         for t in host.state.values():
             t.zero_()
@@ -136,7 +136,7 @@ def load_host_state(saved, u, keys: list[str], names: set[str], scalars: dict, r
                          f"host optimizer keeps {sorted(host.state)}; load with the same optimizer type "
                          f"or pass load_optimizer_states=False")
     for key in keys:
-        saved.fill(u, f"optim.{key}", a, a + u.host_numel, host.state[key], names, zero_rest=True)
+        saved.fill(u, f"optim.{key}", host.lo, host.hi, host.state[key], names, zero_rest=True)
     if record is not None and source in record["host_steps"]:
         host.steps = int(record["host_steps"][source])
     else:  # saved without offload: torch's count of the same updates
@@ -161,7 +161,7 @@ def restore_pipeline(engine: "Engine", saved, names: set[str], record: dict | No
         return
     rank = engine.comm.rank
     for u in engine.units:
-        if u.host is None:
+        if u.host_numel == 0:
             continue
         lo = rank * u.shard_numel
         u.wait_weights()  # the load's own gather of the master must not land over these

@@ -214,7 +214,7 @@ def snapshot(engine: "Engine", client_state: dict | None, copy_tensors: bool) ->
             keys = optim_keys[u.name] = state_keys(u, state)
             tensors += [(f"{u.name}/optim.{k}", cut(state_parts(u, state, k), lo - a, hi - a)) for k in keys]
             scalars[u.name] = copy.deepcopy({k: v for k, v in state.items() if k not in keys})
-            if in_use and u.host is not None:  # [Note: delayed update in checkpoints]
+            if in_use and u.host_numel > 0:  # [Note: delayed update in checkpoints]
                 tensors.append((f"{u.name}/{IN_USE}", weights))
         else:
             tensors.append((f"{u.name}/weights", weights))

@@ -79,14 +79,14 @@ def _offload_lines(engine: "Engine") -> list[str]:
     lines = _offload_param_lines(engine, placement) if placement.params_on_host else []
     if not placement.offloads:
         return lines
-    stepper = engine.offload
-    host = sum(s.numel for s in stepper.shards)
+    host = sum(u.host_numel for u in engine.units)
     total = sum(u.opt_range[1] - u.opt_range[0] for u in engine.units if u.trainable)
+    moved = sum(engine.ledger.bytes(tier="host", kind=k) for k in ("master", "grads", "optimizer_state"))
     return lines + [
         f"  {placement.describe()}",
         f"    {host:,} of {total:,} optimizer elements on the host on rank {engine.comm.rank}: "
-        f"{_mib(stepper.device_bytes_saved())} left the device (master + optimizer state + "
-        f"gradients of the offloaded part)"]
+        f"{_mib(moved)} allocated there (master + optimizer state + gradients of the offloaded "
+        f"part)"]
 
 
 def _offload_param_lines(engine: "Engine", placement) -> list[str]:

@@ -8,28 +8,32 @@ become views into the flat compute buffer, so models need no refactoring and `p.
 logical shape. Padding elements have zero weight, zero gradient and therefore zero update.
 
 [Note: unit state per rank]
+Which buffers a unit holds, on which tier, over which elements, and which are views of which,
+is decided by one pure function, core/layout.py `plan_layout` ([Note: unit layout records]); the
+Unit allocates them from its tiers and keeps these names for them:
 - `flat`        compute-dtype weights, full size. At stage 3 its storage exists only while the
                 unit is gathered (resized to 0 bytes when released), so parameter views keep their
                 logical shapes and autograd's saved tensors see the weights again when re-gathered.
-- `shard`       stage 3: this rank's compute-dtype shard, the persistent copy of the weights.
-                With offload_param it lives on the host tier (see engine/offload.py
-                place_weight_shards) and gathering first copies it into this rank's slot of `flat`.
+- `shard`       stage 3: this rank's compute-dtype shard, the persistent copy of the weights, on
+                the device or (offload_param) the host tier; gathering first copies it into this
+                rank's slot of `flat`.
 While released, each parameter's `.data` is a NaN placeholder of its logical shape that owns one
 element (zero strides): `p.shape` stays true, reading it cannot crash, computing with it is
 visibly wrong, and writing to it raises. Gathering points the parameters back into `flat`.
 - `grad_flat`   compute-dtype full-size gradients that `p.grad` views point into; only where
                 gradients are reduced once per accumulation boundary (not sharded).
-- `master`      fp32 weights of the optimizer range: this rank's shard if the optimizer state is
-                partitioned, the whole buffer otherwise. In fp32 training it aliases `flat`.
-- `master_grad` fp32 reduced gradient of the optimizer range, the `.grad` the optimizer reads.
-- `host`        with offload (see zerokit.engine.offload.HostShard): the first `host_numel`
-                elements of the optimizer range have their fp32 master, optimizer state and
-                gradient on the host tier; `master` and `master_grad` then cover only the rest
-                (the device part), elements [host_numel, len(opt_range)).
+- `parts`       the optimizer range as parts ([Note: optimizer parts] in core/parts.py): with
+                offload a HostPart (fp32 master, optimizer state, gradient on the host tier) for
+                the first `host_numel` elements, then always a DevicePart for the rest.
+- `master`      the device part's fp32 weights: this rank's shard of the optimizer range if the
+                optimizer state is partitioned, the whole buffer otherwise; in fp32 training a
+                view of the weights. `master_grad`: its reduced gradient, which the optimizer
+                reads (stage 0 in fp32: a view of `grad_flat`).
 - `grad_acc`    fp32 full-size sum of the micro-steps' 16-bit gradients before the boundary, where
                 gradients are reduced only there (stage < 2, 16-bit compute, accumulation > 1):
                 16-bit running sums would lose what DeepSpeed's fp32 accumulation keeps. At
                 stage 0 it is `master_grad` itself.
+`state` ([Note: state machines] in core/states.py) says where the full weights are.
 
 [Note: one reduction, one meaning]
 Below stage 2 a rank's gradients are summed locally over the micro-steps (in `grad_acc` where it
@@ -50,17 +54,17 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 import torch.nn as nn
 
 from zerokit.core.collectives import Comm, Handle
-from zerokit.policy import PartitionPolicy
-from zerokit.tiers import Ledger
+from zerokit.core.layout import ALIGN, UnitLayout, plan_layout
+from zerokit.core.parts import DevicePart, HostPart
+from zerokit.core.states import WeightState, move
+from zerokit.policy import PartitionPolicy, PlacementPolicy
+from zerokit.tiers import Ledger, tiers_for
 from zerokit.tiers.transfer import side_stream, uses_streams
-
-ALIGN = 32  # elements per shard boundary: keeps every shard 64-byte aligned for SIMD kernels
 
 
 # Which unit holds a parameter, for GatheredParameters and zero.Init. The lookup keeps neither
@@ -73,16 +77,6 @@ _UNIT_OF: "weakref.WeakValueDictionary[int, Unit]" = weakref.WeakValueDictionary
 
 def unit_of(param: torch.Tensor) -> "Unit | None":
     return _UNIT_OF.get(id(param))
-
-
-class WeightState(Enum):
-    """Where a unit's full compute weights are. Legal moves: SHARDED -> GATHERING -> GATHERED ->
-    SHARDED (release); a gather of a GATHERING/GATHERED unit and a release of a SHARDED one are
-    no-ops, so hooks may ask twice (a module called twice, a tied weight)."""
-
-    SHARDED = "sharded"      # only this rank's shard exists; `flat` has no storage (stage 3)
-    GATHERING = "gathering"  # an all-gather into `flat` is in flight: do not read `flat`
-    GATHERED = "gathered"    # `flat` holds every rank's shard: parameters can be used
 
 
 @dataclass(frozen=True)
@@ -105,7 +99,11 @@ class Unit:
                  trainable: bool,
                  group_index: int, comm: Comm, policy: PartitionPolicy, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, bucket_numel: int, ledger: Ledger,
-                 grad_accum_steps: int = 1):
+                 grad_accum_steps: int = 1, placement: PlacementPolicy | None = None,
+                 layout: UnitLayout | None = None):
+        """placement: where the buffers live (default: all on the device); layout: the records
+        to allocate, when the caller planned them already (initialize checks their host bytes
+        first); else planned here from the sizes and both policies."""
         if not params:
             raise ValueError(f"unit {name!r} has no parameters")
         self.name = name
@@ -128,18 +126,23 @@ class Unit:
             offset += p.numel()
         self.slots: list[ParamSlot] = slots
         self.numel = offset
-        quantum = comm.world_size * ALIGN
-        self.padded_numel = -(-offset // quantum) * quantum
-        self.shard_numel = self.padded_numel // comm.world_size
-        shard_start = comm.rank * self.shard_numel
-        if policy.shard_optimizer:
-            self.opt_range = (shard_start, shard_start + self.shard_numel)
-        else:
-            self.opt_range = (0, self.padded_numel)
         self.device = comm.device
+        if layout is None:
+            layout = plan_layout(offset, comm.world_size, comm.rank, policy,
+                                 placement or PlacementPolicy(), compute_dtype, reduce_dtype,
+                                 trainable=trainable, grad_accum_steps=grad_accum_steps,
+                                 cuda=self.device.type == "cuda")
+        if layout.numel != offset:
+            raise ValueError(f"unit {name!r}: layout planned for {layout.numel} elements, the "
+                             f"parameters have {offset}")
+        self.layout = layout
+        self.padded_numel, self.shard_numel = layout.padded_numel, layout.shard_numel
+        self.opt_range = layout.opt_range
         self._release_bytes = None  # ledger release of the gathered full weights (stage 3)
         self._sync_initial_values()
-        self._build_buffers()
+        self._retired = False  # zero.Init's construction units give their parameters away
+        self._tiers = tiers_for(ledger, self.device)
+        self._allocate(self._tiers)
         self._ready: set[int] = set()
         self._launched = False
         self.used = False  # got a gradient since the last step (see Engine._skip_unused)
@@ -147,73 +150,81 @@ class Unit:
         self._fetch_stream = None  # CUDA side stream a host shard's gather runs on (offload_param)
         self.index = -1  # position in the engine's unit list; set by the engine
         self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
-        self.host = None  # offload: the host part of the optimizer range (HostShard), if any
-        self.host_numel = 0
 
     # ---- construction -----------------------------------------------------------------------
-    def _build_buffers(self) -> None:
-        device, first = self.device, self.slots[0].param
-        master_full = None
-        # Build from the parameters' current values; fp32 values become the master exactly.
-        flat = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=device)
-        keep_fp32 = self.trainable and self.compute_dtype != torch.float32
-        if keep_fp32:
-            a, b = self.opt_range
-            master_full = torch.zeros(b - a, dtype=torch.float32, device=device)
-        for s in self.slots:
-            src = s.param.detach().reshape(-1)
-            flat[s.offset:s.offset + s.numel].copy_(src)
-            if master_full is not None:
-                lo, hi = max(s.offset, self.opt_range[0]), min(s.offset + s.numel, self.opt_range[1])
-                if lo < hi:
-                    master_full[lo - self.opt_range[0]:hi - self.opt_range[0]].copy_(
-                        src[lo - s.offset:hi - s.offset].to(device=device, dtype=torch.float32))
-        del first
+    def _allocate(self, tiers: dict) -> None:
+        """Allocate the layout's records (see [Note: unit layout records] in core/layout.py) and
+        fill them from the parameters' current values; fp32 values become the masters exactly."""
+        bufs: dict[str, torch.Tensor] = {}
+        for r in self.layout.records:
+            if r.alias_of is not None:
+                target = self.layout.record(r.alias_of)
+                bufs[r.name] = bufs[r.alias_of][r.lo - target.lo:r.hi - target.lo]
+            elif r.transient:  # counted while it has storage (see gather / _free_flat)
+                bufs[r.name] = torch.zeros(r.numel, dtype=r.dtype, device=self.device)
+            else:
+                bufs[r.name] = tiers[r.tier].allocate(f"{self.name}/{r.name}", r.kind, r.numel,
+                                                      r.dtype, pinned=r.pinned)
+        flat = bufs["weights"]
+        for r in self.layout.records:  # masters from the parameters, before they point into flat
+            if r.kind == "master" and r.alias_of is None:
+                self._copy_param_values(bufs[r.name], r.lo, r.hi)
+        self._copy_param_values(flat, 0, self.padded_numel)
         self.flat = flat
         for s in self.slots:
             s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
             s.param.grad = None
             _UNIT_OF[id(s.param)] = self
-        self.shard: torch.Tensor | None = None
-        self._placeholder = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=device)
-        self.state = WeightState.GATHERED
-        if self.policy.shard_weights:
+        self.shard: torch.Tensor | None = bufs.get("shard")
+        self._placeholder = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
+        self._state = WeightState.GATHERED
+        if self.shard is not None:
             lo = self.comm.rank * self.shard_numel
-            self.shard = self.ledger.hold(f"{self.name}/weights", "weights",
-                                          flat[lo:lo + self.shard_numel].clone())
+            self.shard.copy_(flat[lo:lo + self.shard_numel])
             self._free_flat()
-        else:
-            self.ledger.hold(f"{self.name}/weights", "weights", flat)
-
-        self.grad_flat: torch.Tensor | None = None
+        self.grad_flat: torch.Tensor | None = bufs.get("grads")
+        self.grad_acc: torch.Tensor | None = bufs.get("grad_acc")
+        self.parts: list = []
         self.master: torch.Tensor | None = None
         self.master_grad: torch.Tensor | None = None
-        self.grad_acc: torch.Tensor | None = None
         if not self.trainable:
             return
-        a, b = self.opt_range
-        if master_full is None:  # fp32 training: the optimizer updates the weights in place
-            home = self.shard if self.shard is not None else flat[a:b]
-            self.master = nn.Parameter(home, requires_grad=True)
-        else:
-            self.master = nn.Parameter(self.ledger.hold(f"{self.name}/master", "master", master_full))
-        if not self.policy.shard_gradients:
-            self.grad_flat = self.ledger.hold(f"{self.name}/grads", "grads", torch.zeros_like(flat))
+        home = self.shard if self.shard is not None else flat
+        home_lo = self.layout.record("shard" if self.shard is not None else "weights").lo
+        host = next((p for p in self.layout.parts if p.tier == "host"), None)
+        if host is not None:
+            out = "host_out16" if self.layout.has("host_out16") else "host_master"
+            self.parts.append(HostPart(self, host, bufs, tiers["host"],
+                                       home[host.lo - home_lo:host.hi - home_lo],
+                                       in_place=self.layout.aliases(out, "shard"),
+                                       pinned=self.layout.record("host_master").pinned))
+        span = self.layout.parts[-1]
+        self.master = nn.Parameter(bufs["master"], requires_grad=True)
+        self.master_grad = bufs["master_grad"]
+        self.parts.append(DevicePart(span, self.master, self.master_grad,
+                                     home[span.lo - home_lo:span.hi - home_lo],
+                                     in_place=self.layout.record("master").alias_of is not None,
+                                     shard_gradients=self.policy.shard_gradients))
+        if self.grad_flat is not None:
             self._attach_grad_views()
-        if self.grad_flat is not None and not self.policy.shard_optimizer and \
-                self.compute_dtype == torch.float32 and self.reduce_dtype == torch.float32:
-            self.master_grad = self.grad_flat  # DDP in fp32: reduce in place, no second copy
-        else:
-            self.master_grad = self.ledger.hold(
-                f"{self.name}/master_grad", "grads", torch.zeros(b - a, dtype=torch.float32, device=device))
-        if self.grad_flat is not None and self.compute_dtype != torch.float32 and self.grad_accum_steps > 1:
-            self.grad_acc = self.master_grad if not self.policy.shard_optimizer else self.ledger.hold(
-                f"{self.name}/grad_acc", "grads", torch.zeros(self.padded_numel, dtype=torch.float32,
-                                                              device=device))
+
+    def _copy_param_values(self, dest: torch.Tensor, lo: int, hi: int) -> None:
+        """dest <- the parameters' values over elements [lo, hi) of the flat index space."""
+        for s in self.slots:
+            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < b:
+                src = s.param.detach().reshape(-1)[a - s.offset:b - s.offset]
+                dest[a - lo:b - lo].copy_(src)
+
+    @property
+    def host_numel(self) -> int:
+        """Elements [a, a + host_numel) of the optimizer range step on the host."""
+        return self.layout.host_numel
 
     def _attach_grad_views(self) -> None:
-        for s in self.slots:
-            s.param.grad = self.grad_flat[s.offset:s.offset + s.numel].view(s.shape)
+        self._grad_views = [self.grad_flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+        for s, view in zip(self.slots, self._grad_views):
+            s.param.grad = view
 
     def _sync_initial_values(self) -> None:
         """Every rank starts from rank 0's weights, as DDP does (seeds may differ per rank).
@@ -230,15 +241,14 @@ class Unit:
     def on_grad_ready(self, param: nn.Parameter, index: int, reduce_now: bool) -> bool:
         """Called from the post-accumulate-grad hook; True once all arrived and it is time to
         reduce (the engine then launches the reduction)."""
-        slot = self.slots[index]
         if self.grad_flat is not None:
-            view = self.grad_flat[slot.offset:slot.offset + slot.numel]
-            if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+            view = self._grad_views[index]
+            if param.grad is not view:
                 # Someone reset .grad (model.zero_grad()) and autograd handed us a new tensor with
                 # this backward's gradient only: the view still holds the earlier micro-steps'.
                 if param.grad is not None:
-                    view.add_(param.grad.reshape(-1))
-                param.grad = view.view(slot.shape)
+                    view.add_(param.grad)
+                param.grad = view
         self._ready.add(index)
         self.used = True
         return reduce_now and len(self._ready) == len(self.slots)
@@ -248,10 +258,16 @@ class Unit:
         self._launched = True
         if self.grad_flat is not None:
             # The full gradient is scratch from here on (zeroed after the step), so reduce in place.
-            local = self.grad_flat
+            local, name = self.grad_flat, "grads"
             if self.grad_acc is not None:
-                local = self.grad_acc.add_(self.grad_flat)
-            full = local if local.dtype == self.reduce_dtype else local.to(self.reduce_dtype)
+                local, name = self.grad_acc.add_(self.grad_flat), "grad_acc"
+            if local.dtype == self.reduce_dtype:
+                # The collective runs in the buffer; where that buffer is the master gradient
+                # (stage 0 aliases), the result is already in place.
+                in_master = (self.layout.aliases("master_grad", name)
+                             or self.layout.aliases(name, "master_grad"))
+                return self._reduce_into_master(local, lambda: None, in_master)
+            full = local.to(self.reduce_dtype)
         else:
             # Not zeros: the gradients overwrite nearly all of it, so zero only what they do not
             # (a parameter without a gradient, the padding); one pass over the bucket, not two.
@@ -264,16 +280,15 @@ class Unit:
                 part.copy_(g.reshape(-1))
                 s.param.grad = None  # stage 2: the full-size gradient lives only in the bucket
             full[self.numel:].zero_()
-        return self._reduce_into_master(full)
+        return self._reduce_into_master(full, self.ledger.transient("buffers", full), False)
 
-    def _reduce_into_master(self, full: torch.Tensor) -> Handle:
-        """Average `full` over ranks into master_grad, in collectives of at most bucket_numel."""
+    def _reduce_into_master(self, full: torch.Tensor, release, in_master: bool) -> Handle:
+        """Average `full` over ranks into master_grad, in collectives of at most bucket_numel.
+        release: frees `full` once reduced (a temporary); in_master: `full` is master_grad."""
         comm, world = self.comm, self.comm.world_size
         pre, post = self.grad_scales
         if pre != 1.0 and world > 1:  # at world 1, pre and post cancel: DeepSpeed's rounding aside
             full.mul_(pre)
-        owned = {t.data_ptr() for t in (self.grad_flat, self.grad_acc) if t is not None}
-        release = (lambda: None) if full.data_ptr() in owned else self.ledger.transient("buffers", full)
         handles: list[Handle] = []
         if not self.policy.shard_optimizer:  # all-reduce; master covers the whole buffer
             step = max(ALIGN, self.bucket_numel)
@@ -281,7 +296,8 @@ class Unit:
                 part = full[lo:lo + step]
                 handles.append(comm.all_reduce_(part, self._where(lo, step), average=True, async_op=True,
                                                 unit=self.index, post_scale=post))
-            return _join(handles, lambda: (self._deliver(self.master_grad, full), release()))
+            deliver = (lambda: None) if in_master else (lambda: self._deliver(full, 0, self.padded_numel))
+            return _join(handles, lambda: (deliver(), release()))
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         chunk = max(ALIGN, -(-self.bucket_numel // (world * ALIGN)) * ALIGN)
         rows = full.view(world, self.shard_numel)
@@ -292,32 +308,29 @@ class Unit:
             handle = comm.reduce_scatter(out[lo:hi], rows[:, lo:hi], self._where(lo, chunk),
                                          average=True, async_op=True, unit=self.index,
                                          post_scale=post)
-            if self.host is not None:  # offload: each bucket leaves for the host once reduced
-                handle = _join([handle], lambda lo=lo, hi=hi: self._accept_grad(out, lo, hi))
+            if self._streams_buckets:  # a part off the device: each bucket leaves once reduced
+                start = self.opt_range[0]
+                handle = _join([handle], lambda lo=lo, hi=hi:
+                               self._deliver(out[lo:hi], start + lo, start + hi))
             handles.append(handle)
-        if self.host is not None:
+        if self._streams_buckets:
             return _join(handles, release)
-        return _join(handles, lambda: (self._accept_grad(out, 0, self.shard_numel), release()))
+        start = self.opt_range[0]
+        return _join(handles, lambda: (self._deliver(out, start, start + self.shard_numel), release()))
 
-    def _accept_grad(self, out: torch.Tensor, lo: int, hi: int) -> None:
-        """Add elements [lo, hi) of this rank's reduced gradient shard to the master gradient,
-        wherever each element's master lives (host part first, then the device part)."""
-        k = self.host_numel
-        if lo < k:  # adds: the host gradient is zeroed after every step (one reduction: written)
-            self.host.take_grad(out[lo:min(hi, k)], lo)
-        if hi > k:
-            start = max(lo, k)
-            self._deliver(self.master_grad[start - k:hi - k], out[start:hi])
+    @property
+    def _streams_buckets(self) -> bool:
+        return any(p.tier != "device" for p in self.parts)
 
-    def _deliver(self, dest: torch.Tensor, reduced: torch.Tensor) -> None:
-        """See [Note: one reduction, one meaning]: write where reduced once per step, add where
-        reduced every micro-step; nothing to do where the collective ran in `dest` itself."""
-        if dest.data_ptr() == reduced.data_ptr() and dest.dtype == reduced.dtype:
-            return
-        if self.policy.shard_gradients:
-            dest.add_(reduced)
-        else:
-            dest.copy_(reduced)
+    def _deliver(self, reduced: torch.Tensor, lo: int, hi: int) -> None:
+        """The reduced gradient of elements [lo, hi) of the optimizer range (flat index space)
+        -> each part it overlaps, wherever that part's master lives. See [Note: one reduction,
+        one meaning]: a device part writes where reduced once per step, adds where reduced every
+        micro-step; a host part adds (its gradient is zeroed after every step)."""
+        for part in self.parts:
+            a, b = max(lo, part.lo), min(hi, part.hi)
+            if a < b:
+                part.take_grad(reduced[a - lo:b - lo], a - part.lo)
 
     def _where(self, lo: int, step: int) -> str:
         return f"unit '{self.name}'" if step >= self.padded_numel else \
@@ -336,9 +349,10 @@ class Unit:
 
     # ---- step ---------------------------------------------------------------------------------
     def grad_sq_norm(self) -> torch.Tensor:
-        total = self.master_grad.double().pow(2).sum() if self.master_grad is not None else \
-            torch.zeros((), dtype=torch.float64, device=self.device)
-        return total + self.host.grad_sq_norm() if self.host is not None else total
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for part in self.parts:
+            total = total + part.grad_sq_norm()
+        return total
 
     def publish_weights(self) -> None:
         """After the optimizer step: new master -> compute weights -> every rank (asynchronous).
@@ -349,22 +363,21 @@ class Unit:
         zero_optimization.async_weight_publish it waits later instead: in the unit's forward
         pre-hook, before any state_dict, and before the next backward or step.
         """
-        k = self.host_numel  # the host part was written back by the offload executor
-        if self.shard is not None:  # stage 3: the shard is the weights' home
-            if self.master.data_ptr() != self.shard[k:].data_ptr():
-                self.shard[k:].copy_(self.master.detach())
-            if self.state is WeightState.SHARDED:
-                return
-            self.state = WeightState.SHARDED  # persistent / still-gathered units gather anew
-            self.gather()
-            return
-        a, b = self.opt_range
-        if self.master.data_ptr() != self.flat[a + k:b].data_ptr():
-            self.flat[a + k:b].copy_(self.master.detach())
-        if self.policy.shard_optimizer:
-            self.state = WeightState.GATHERING
-            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
-                                                       unit=self.index)
+        # Host parts were written back by their executor; the device part is written here.
+        self.parts[-1].write_weights()
+        if self.shard is not None and self.state is WeightState.SHARDED:
+            return  # stage 3: the next gather reads the new shard
+        if self.shard is None and not self.policy.shard_optimizer:
+            return  # every rank stepped the whole unit: nothing to gather
+        self.wait_weights()  # a gather still in flight lands before the new one starts
+        self._start_gather()  # persistent / still-gathered units gather anew
+
+    @property
+    def state(self) -> WeightState:
+        return self._state
+
+    def _move(self, new: WeightState) -> None:
+        self._state = move(self._state, new, f"unit '{self.name}' weights")
 
     def gather(self) -> None:
         """Start gathering the full weights into `flat` (stage 3, or a re-publish); idempotent."""
@@ -374,9 +387,17 @@ class Unit:
         if self.flat.untyped_storage().nbytes() != nbytes:
             self.flat.untyped_storage().resize_(nbytes)
             self._release_bytes = self.ledger.transient("weights", self.flat)
+        self._start_gather()
+
+    def _start_gather(self) -> None:
+        """This rank's part of `flat` from its home, then the all-gather (asynchronous)."""
+        self._move(WeightState.GATHERING)
+        if self.shard is None:  # stage 1-2: the step wrote this rank's range of `flat` itself
+            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
+                                                       unit=self.index)
+            return
         lo = self.comm.rank * self.shard_numel
         own = self.flat[lo:lo + self.shard_numel]  # this rank's slot: the all-gather's input
-        self.state = WeightState.GATHERING
         if self.shard.device == own.device or not uses_streams(own):
             # A device shard; or offload_param on a CPU-only machine, where this is the same
             # host -> "device" copy between two buffers, synchronous.
@@ -402,7 +423,7 @@ class Unit:
             if self._fetch_stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self._fetch_stream)
                 self._fetch_stream = None
-            self.state = WeightState.GATHERED
+            self._move(WeightState.GATHERED)
             if self.shard is not None:
                 self._point_params_at(self.flat)
 
@@ -429,29 +450,26 @@ class Unit:
         if self.shard is not None:
             lo = self.comm.rank * self.shard_numel
             self.shard.copy_(self.flat[lo:lo + self.shard_numel])
-        if self.master is None:
-            return
-        a, b = self.opt_range
-        k = self.host_numel
-        if self.host is not None:
-            self.host.absorb(self.flat[a:a + k])
-        new = self.flat[a + k:b]
-        homes = {new.data_ptr()} | ({self.shard[k:].data_ptr()} if self.shard is not None else set())
-        if self.master.data_ptr() in homes:
-            return  # fp32: the master is these weights
-        with torch.no_grad():
-            changed = new != self.master.to(new.dtype)
-            self.master[changed] = new[changed].float()
+        for part in self.parts:
+            part.absorb(self.flat[part.lo:part.hi])
 
     def retire(self) -> None:
         """Give up the parameters to another unit (zero.Init's construction units): free our
-        buffers and forget the parameters without touching their `.data`."""
+        buffers and forget the parameters without touching their `.data`. Idempotent (an
+        adopted unit is retired again with the model's orphans)."""
+        if self._retired:
+            return
+        self._retired = True
         for s in self.slots:
             if unit_of(s.param) is self:
                 del _UNIT_OF[id(s.param)]
         self.flat.untyped_storage().resize_(0)
         self.shard = None
-        self.state = WeightState.SHARDED
+        for r in self.layout.records:  # what the tiers allocated leaves the ledger with them
+            if r.alias_of is None and not r.transient:
+                self._tiers[r.tier].free(f"{self.name}/{r.name}")
+        if self.state is not WeightState.SHARDED:
+            self._move(WeightState.SHARDED)
         if self._release_bytes is not None:
             self._release_bytes()
             self._release_bytes = None
@@ -459,17 +477,15 @@ class Unit:
     def _free_flat(self) -> None:
         self._point_params_at(None)
         self.flat.untyped_storage().resize_(0)
-        self.state = WeightState.SHARDED
+        self._move(WeightState.SHARDED)
         if self._release_bytes is not None:
             self._release_bytes()
             self._release_bytes = None
 
     def zero_grad(self) -> None:
         self.used = False
-        if self.master_grad is not None:
-            self.master_grad.zero_()
-        if self.host is not None:
-            self.host.zero_grad()
+        for part in self.parts:
+            part.zero_grad()
         if self.grad_acc is not None:
             self.grad_acc.zero_()
         if self.grad_flat is not None:
@@ -483,16 +499,15 @@ class Unit:
         """The whole unit's fp32 weights (master where there is one), gathered on every rank."""
         full = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
         if self.trainable:
-            (a, b), source, partitioned = self.opt_range, self.master.detach(), self.policy.shard_optimizer
+            for part in self.parts:
+                full[part.lo:part.hi].copy_(part.master_values())
+            partitioned = self.policy.shard_optimizer
         elif self.shard is not None:
             lo = self.comm.rank * self.shard_numel
-            (a, b), source, partitioned = (lo, lo + self.shard_numel), self.shard, True
+            full[lo:lo + self.shard_numel].copy_(self.shard)
+            partitioned = True
         else:
             return self.flat.float()
-        if self.trainable and self.host is not None:
-            full[a:a + self.host_numel].copy_(self.host.master_values())
-            a += self.host_numel
-        full[a:b].copy_(source)
         if partitioned:
             self.comm.all_gather(full, self.name, unit=self.index)
         return full

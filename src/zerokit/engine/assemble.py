@@ -1,6 +1,8 @@
 """From (model, optimizer choice, config) to a ready Engine: the steps of `zerokit.initialize`."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Iterable
 
 import torch
@@ -11,10 +13,13 @@ from zerokit.config.plan import report_startup
 from zerokit.core.collectives import Comm
 from zerokit.core.devices import model_device_of
 from zerokit.core.ds_params import attach_ds_views
+from zerokit.core.layout import UnitLayout, plan_layout
 from zerokit.core.unit import Unit
 from zerokit.core.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
+from zerokit.engine.executors import DeviceExecutor, HostExecutor
+from zerokit.engine import host_budget
 from zerokit.engine.optimizer import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.schedulers import build_scheduler
@@ -52,9 +57,16 @@ def initialize(model: nn.Module, optimizer: Any = None,
         if buf.is_floating_point():
             buf.data = buf.data.to(dtype)
     ledger = Ledger()
+    groups = group_parameters(model, select_modules(model, wrap), recipe.group_of)
+    plan = functools.partial(_layouts, groups, comm, policy, dtype, reduce_dtype(cfg), batch[2])
+    if placement.auto:
+        placement = _auto_ratio(placement, plan, comm.device, dtype)
+    # Where every byte goes is decided here, before anything is allocated: a plan the host
+    # cannot hold is refused with the numbers (engine/host_budget.py).
+    layouts = plan(placement)
+    host_budget.check_host_memory(host_budget.host_need(layouts, recipe.kind), placement)
     units = []
-    for name, module, group, trainable, params in group_parameters(
-            model, select_modules(model, wrap), recipe.group_of):
+    for (name, module, group, trainable, params), layout in zip(groups, layouts):
         # Weights built under zero.Init are sharded per module: gather them (one unit's worth)
         # to lay them out as this unit, then free the construction shards.
         constructed = adopt_constructed(model, [p for _, p in params])
@@ -62,7 +74,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
                           comm=comm, policy=policy, compute_dtype=dtype,
                           reduce_dtype=reduce_dtype(cfg),
                           bucket_numel=cfg.zero_optimization.reduce_bucket_size, ledger=ledger,
-                          grad_accum_steps=batch[2]))
+                          grad_accum_steps=batch[2], layout=layout))
         for u in constructed:
             u.retire()
     retire_constructed(model)
@@ -70,52 +82,58 @@ def initialize(model: nn.Module, optimizer: Any = None,
         unit.index = index
         unit.grad_scales = cfg.gradient_reduction_scales(comm.world_size)
     comm.unit_names = [u.name for u in units]  # divergence errors name the other rank's unit
-    # Before the optimizer is built: torch's optimizer steps only the device parts.
-    stepper, placement = _offload(units, placement, comm.device, dtype, recipe.kind)
+    # torch's optimizer steps only the device parts; the host executor steps the host parts.
     masters = [[u.master for u in units if u.trainable and u.group_index == g]
                for g in range(len(recipe.hyper))]
     torch_optimizer = build_optimizer(recipe, masters)
     scheduler = _scheduler(cfg, lr_scheduler, torch_optimizer, optimizer)
-    if stepper is not None:
-        stepper.bind(torch_optimizer)
-    engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch)
+    executors = _executors(units, placement, torch_optimizer, ledger)
+    engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch,
+                    executors)
     engine.config = config_dict(config if config is not None else config_params, cfg)
     if policy.shard_weights:
         attach_ds_views(model, units)  # see [Note: ds_* views]
-    engine.offload, engine.placement = stepper, placement
+    engine.placement = placement
     report_startup(engine)
     dataloader = _dataloader(training_data, batch[1], comm, collate_fn)
     engine.training_dataloader = dataloader
     return engine, torch_optimizer, dataloader, scheduler
 
 
-def _offload(units: list[Unit], placement: PlacementPolicy, device: torch.device, dtype: torch.dtype,
-             optimizer_kind: str | None):
-    from zerokit.engine.host_budget import check_host_memory, plan_host_bytes
+def _layouts(groups: list, comm: Comm, policy: PartitionPolicy, dtype: torch.dtype,
+             reduce: torch.dtype, accumulation: int, placement: PlacementPolicy) -> list[UnitLayout]:
+    """Every unit's buffer records under `placement` (core/layout.py; pure, allocates nothing)."""
+    return [plan_layout(sum(p.numel() for _, p in params), comm.world_size, comm.rank, policy,
+                        placement, dtype, reduce, trainable=trainable, grad_accum_steps=accumulation,
+                        cuda=comm.device.type == "cuda")
+            for _name, _module, _group, trainable, params in groups]
 
-    if placement.params_on_host:
-        from zerokit.engine.offload import place_weight_shards
 
-        check_host_memory(plan_host_bytes(units, placement, optimizer_kind, optimizer=False),
-                          placement)
-        place_weight_shards(units, placement)
-    if placement.auto:
-        import dataclasses
-        import logging
+def _auto_ratio(placement: PlacementPolicy, plan, device: torch.device, dtype: torch.dtype
+                ) -> PlacementPolicy:
+    """ratio "auto": measured rates and the device memory free now (before the units' buffers
+    exist: the layout is planned from the ratio), over the optimizer elements of this rank."""
+    import logging
 
-        from zerokit.engine.auto_ratio import choose_ratio
+    from zerokit.engine.auto_ratio import choose_ratio
 
-        ratio, why = choose_ratio(units, device, (4 if dtype != torch.float32 else 0) + 8 + 4)
-        # Rank 0's reason is in the start-up plan (placement.describe); each rank's at debug.
-        logging.getLogger("zerokit").debug("offload_optimizer.ratio auto: %s", why)
-        placement = dataclasses.replace(placement, ratio=ratio, auto=False, auto_reason=why)
-    if not placement.offloads:
-        return None, placement
-    from zerokit.engine.host_step import HostStepper
-    from zerokit.engine.offload import place_units
+    all_on_device = plan(dataclasses.replace(placement, ratio=0.0, auto=False))
+    numel = sum(layout.opt_range[1] - layout.opt_range[0] for layout in all_on_device if layout.parts)
+    ratio, why = choose_ratio(numel, device, (4 if dtype != torch.float32 else 0) + 8 + 4)
+    # Rank 0's reason is in the start-up plan (placement.describe); each rank's at debug.
+    logging.getLogger("zerokit").debug("offload_optimizer.ratio auto: %s", why)
+    return dataclasses.replace(placement, ratio=ratio, auto=False, auto_reason=why)
 
-    check_host_memory(plan_host_bytes(units, placement, optimizer_kind, weights=False), placement)
-    return HostStepper(place_units(units, placement), placement), placement
+
+def _executors(units: list[Unit], placement: PlacementPolicy, torch_optimizer: torch.optim.Optimizer,
+               ledger: Ledger) -> list:
+    """The optimizer executors, host first (its worker starts before the device step)."""
+    executors = []
+    if placement.offloads:
+        host = HostExecutor(units, placement)
+        host.bind(torch_optimizer)  # fails here, naming the optimizer, if it has no host kernel
+        executors.append(host)
+    return executors + [DeviceExecutor(units, torch_optimizer, ledger)]
 
 
 def _scheduler(cfg, lr_scheduler: Any, torch_optimizer: torch.optim.Optimizer, user_optimizer: Any):

@@ -52,7 +52,7 @@ class Attachment:
         self.comm = comm
         self.sharded = sharded  # stage 3: the model cannot work without the engine
         self.hooks: list = []  # RemovableHandles of the hooks on the model
-        self.stepper = None  # the HostStepper, whose worker thread may be running
+        self.executors: list = []  # optimizer executors, whose worker threads may be running
         self.released = False
 
     def release(self, how: str) -> None:
@@ -63,8 +63,8 @@ class Attachment:
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
-        if self.stepper is not None:
-            self.stepper.close()
+        for executor in self.executors:
+            executor.close()
         for u in self.units:
             # A weight publish in flight: every rank issued its collective, so finishing it here
             # needs no peer to act; its buffers must not be freed under the backend.
@@ -76,4 +76,4 @@ class Attachment:
         if self.sharded:
             self.module.register_forward_pre_hook(functools.partial(_detached, how), prepend=True)
         self.comm.close()
-        self.module, self.units, self.stepper = None, [], None
+        self.module, self.units, self.executors = None, [], []

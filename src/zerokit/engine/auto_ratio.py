@@ -54,10 +54,10 @@ def device_free_bytes(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
-def choose_ratio(units: list, device: torch.device, bytes_per_element: int) -> tuple[float, str]:
-    """The ratio for "auto", and a sentence saying why: measure, then decide (`balance`)."""
+def choose_ratio(numel: int, device: torch.device, bytes_per_element: int) -> tuple[float, str]:
+    """The ratio for "auto" over `numel` optimizer elements on this rank, and a sentence saying
+    why: measure, then decide (`balance`)."""
     host_rate, dev_rate = measure_rates(device)
-    numel = sum(u.opt_range[1] - u.opt_range[0] for u in units if u.trainable)
     return balance(host_rate, dev_rate, numel * bytes_per_element, device_free_bytes(device))
 
 

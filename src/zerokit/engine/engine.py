@@ -22,11 +22,12 @@ from zerokit.core.collectives import CollectiveError, Comm, Handle
 from zerokit.core.unit import Unit
 from zerokit.engine.attachment import Attachment, weakly
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
-from zerokit.engine.optimizer import state_bytes
+from zerokit.engine.executors import HostExecutor
+from zerokit.core.states import TrainingState, move
 from zerokit.engine.precision import LossScaler, cast_inputs_half
 from zerokit.engine.throughput import ThroughputTimer
 from zerokit.policy import PartitionPolicy
-from zerokit.schedule import Stage3Scheduler
+from zerokit.schedule import schedule_for
 from zerokit.tiers import Ledger
 
 log = logging.getLogger("zerokit")
@@ -35,7 +36,8 @@ log = logging.getLogger("zerokit")
 class Engine(DeepSpeedEngineAPI, nn.Module):
     def __init__(self, module: nn.Module, config: ZeroKitConfig, comm: Comm, policy: PartitionPolicy,
                  units: list[Unit], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
-                 ledger: Ledger, batch: tuple[int, int, int]):
+                 ledger: Ledger, batch: tuple[int, int, int], executors: list):
+        """executors: the optimizer executors (engine/executors.py), host ones first."""
         super().__init__()
         self.module = module
         self.config = config
@@ -60,9 +62,12 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.training_dataloader = None  # set by initialize(training_data=...)
         # See [Note: engine lifetime] (engine/attachment.py): hooks, threads, and their release.
         self._attachment = Attachment(module, units, comm, sharded=policy.shard_weights)
+        self._attachment.executors = executors  # their workers end when the engine is released
         self._release_when_dropped = weakref.finalize(self, self._attachment.release, "dropped")
         self._release_when_dropped.atexit = False  # at exit, peers may be gone: no collective waits
-        self.offload = None  # HostStepper (engine/host_step.py): set by initialize when offloading
+        self.executors = executors
+        self.training_state = TrainingState.IDLE  # see [Note: state machines] (core/states.py)
+        self._recomputing: nn.Module | None = None  # the outermost module recomputing in backward
         self._reduce_now = False
         self._pending: deque[tuple[Handle, int]] = deque()
         self._pending_bytes = 0
@@ -71,60 +76,57 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         # overlap_comm=false (DeepSpeed's meaning): wait for each reduction as soon as it starts.
         self._max_pending_bytes = (2 * config.zero_optimization.reduce_bucket_size * 4
                                    if config.zero_optimization.overlap_comm else 0)
-        self._state_tier = ledger._tier(units[0].flat, None)
         self._hooks = self._attachment.hooks
         self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(weakly(self._on_grad), u, i))
                         for u in units if u.trainable for i, s in enumerate(u.slots)
                         for p in [s.param]]
-        self.scheduler = (Stage3Scheduler(units, comm, config.zero_optimization, module)
-                          if policy.shard_weights else None)
+        # Stage 3 gathers around use; below, a schedule that only waits for a publish in flight.
+        self.scheduler = schedule_for(units, comm, config.zero_optimization, module, policy)
         self._install_module_hooks()
 
     def _install_module_hooks(self) -> None:
-        """Thin hooks: each asks the scheduler (stage 3) or the units to have weights ready."""
+        """Thin hooks: each asks the gather schedule to have the weights ready."""
         by_module: dict[int, list[Unit]] = {}
         for u in self.units:
             by_module.setdefault(id(u.module), []).append(u)
-        if self.scheduler is not None:
-            self._hooks.append(self.module.register_forward_pre_hook(
-                weakly(self._start_iteration), prepend=True))
+        self._hooks.append(self.module.register_forward_pre_hook(
+            weakly(self._start_iteration), prepend=True))
         for units in by_module.values():
             module = units[0].module
             self._hooks.append(module.register_forward_pre_hook(
                 functools.partial(weakly(self._before_forward), units)))
-            if self.scheduler is not None:
-                self._hooks.append(module.register_forward_hook(
-                    functools.partial(weakly(self._after_forward), units)))
+            self._hooks.append(module.register_forward_hook(
+                functools.partial(weakly(self._after_forward), units)))
         self._hooks.append(self.module.register_state_dict_pre_hook(weakly(self._before_state_dict)))
 
     @property
     def offload(self):
-        return self._attachment.stepper
+        """The host optimizer executor, where part of the optimizer steps on the host (else None):
+        for reports, checkpoints and tests; the step itself loops over `executors`."""
+        return next((e for e in self.executors if isinstance(e, HostExecutor)), None)
 
-    @offload.setter
-    def offload(self, stepper) -> None:
-        self._attachment.stepper = stepper  # its worker ends when the engine is released
+    def _move(self, new: TrainingState) -> None:
+        self.training_state = move(self.training_state, new, "the engine")
 
     def _start_iteration(self, *_hook_args: Any) -> None:
         self.scheduler.start_iteration()
 
-    def _before_forward(self, units: list[Unit], *_hook_args: Any) -> None:
+    def _before_forward(self, units: list[Unit], module: nn.Module, *_hook_args: Any) -> None:
+        if self.training_state is TrainingState.BACKWARD:  # a forward inside backward: recompute
+            self._move(TrainingState.RECOMPUTE)
+            self._recomputing = module
         for u in units:
-            if self.scheduler is not None:
-                self.scheduler.use(u)
-            else:
-                u.wait_weights()
+            self.scheduler.use(u)
 
-    def _after_forward(self, units: list[Unit], _module: nn.Module, _args: Any, output: Any) -> None:
+    def _after_forward(self, units: list[Unit], module: nn.Module, _args: Any, output: Any) -> None:
         for u in units:
             self.scheduler.after_forward(u, output)
+        if self.training_state is TrainingState.RECOMPUTE and module is self._recomputing:
+            self._move(TrainingState.BACKWARD)
+            self._recomputing = None
 
     def _before_state_dict(self, *_args: Any, **_kwargs: Any) -> None:
-        if self.scheduler is not None:
-            raise RuntimeError(
-                "model.state_dict() at ZeRO stage 3 would gather every weight on every rank; use "
-                "engine.consolidated_fp32_state_dict(), engine.save_16bit_model(dir) or "
-                "zerokit.zero.GatheredParameters(params) instead")
+        self.scheduler.check_state_dict()
         self.wait_for_weights()
 
     # ---- forward ------------------------------------------------------------------------------
@@ -133,7 +135,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         t0 = time.perf_counter()
         if self.config.fp16.auto_cast:
             args = cast_inputs_half(args)
-        out = self.module(*args, **kwargs)
+        self._move(TrainingState.FORWARD)
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            self._move(TrainingState.IDLE)
         self._timers["forward"] += time.perf_counter() - t0
         return out
 
@@ -156,24 +162,27 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         t0 = time.perf_counter()
         self.wait_for_weights()  # units whose modules forward did not call
         scale = self.loss_scaler.scale / (self._gradient_accumulation_steps if scale_wrt_gas else 1)
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        if self._reduce_now:
-            for unit in self.units:  # units some of whose parameters got no gradient this step
-                if unit.trainable and not unit.launched:
-                    self._launch_reduce(unit)
-            self._drain(0)
+        self._move(TrainingState.BACKWARD)
+        try:
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            if self._reduce_now:
+                for unit in self.units:  # units some of whose parameters got no gradient this step
+                    if unit.trainable and not unit.launched:
+                        self._launch_reduce(unit)
+                self._drain(0)
+        finally:
+            self._move(TrainingState.IDLE)
+            self._recomputing = None
         for unit in self.units:
             unit.end_backward()
-        if self.scheduler is not None:
-            self.scheduler.end_backward()
+        self.scheduler.end_backward()
         self._timers["backward"] += time.perf_counter() - t0
         return loss
 
     def _on_grad(self, unit: Unit, index: int, param: nn.Parameter) -> None:
         if unit.on_grad_ready(param, index, self._reduce_now):
             self._launch_reduce(unit)
-            if self.scheduler is not None:
-                self.scheduler.after_backward(unit)
+            self.scheduler.after_backward(unit)
 
     def _launch_reduce(self, unit: Unit) -> None:
         """Ranks whose backward took different paths would reduce different units here: each
@@ -228,23 +237,18 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def _update(self, trainable: list[Unit]) -> bool:
         """Unscale, clip, step and publish; True if the step was skipped for an overflow."""
-        if self.offload is not None:  # host gradients landed; a delayed update joined
-            self.offload.before_step()
+        for executor in self.executors:  # host gradients landed; a delayed update joined
+            executor.before_step()
         coef, overflow = self._gradient_coef(trainable)
         if overflow:  # static or dynamic loss scale alike, as DeepSpeed
             self.skipped_steps += 1
-            if self.offload is not None:
-                self.offload.publish_written()
+            for executor in self.executors:
+                executor.after_skip()
             return True
-        if coef != 1.0:
-            for u in trainable:
-                u.master_grad.mul_(coef)
         self._run_optimizer(trainable, coef)
         self._publish(trainable)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.ledger.hold_bytes("optimizer", "optimizer_state", self._state_tier,
-                               state_bytes(self.optimizer))
         return False
 
     def _gradient_coef(self, trainable: list[Unit]) -> tuple[float, bool]:
@@ -266,25 +270,15 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return coef, False
 
     def _run_optimizer(self, trainable: list[Unit], coef: float) -> None:
-        """Step the device parts with torch's optimizer while the host parts step in a worker.
-
-        The optimizer reads `master.grad`, which user code may have reset since the last step
-        (torch's `optimizer.zero_grad()` sets it to None): link it here, for this call only.
-        Units no rank produced a gradient for keep None, so torch skips them, as it skips
-        parameters without a gradient.
-        """
+        """Every executor steps its parts of the units some rank used, the host parts in a worker
+        while the device parts step (Twin-Flow); see engine/executors.py."""
         unused = set(self._unused_everywhere(trainable))
-        for u in trainable:
-            u.master.grad = None if u in unused else u.master_grad
         try:
-            if self.offload is not None:  # host parts: coef fused into the kernel
-                self.offload.launch(coef, unused)
-            self.optimizer.step()
+            for executor in self.executors:
+                executor.launch(coef, unused)
         finally:
-            for u in trainable:
-                u.master.grad = None
-            if self.offload is not None:  # joins the host worker (unless the update is delayed)
-                self.offload.finish()
+            for executor in self.executors:  # a host worker is joined unless its update is delayed
+                executor.finish()
 
     def _abandon_step(self, trainable: list[Unit], error: BaseException) -> None:
         """The update raised: leave the engine as after a skipped step and say so.
@@ -305,8 +299,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                     f"restart the job (from the last checkpoint).")
         else:
             self._abandoned_step = self.global_steps  # the next step tells the other ranks
-            if self.offload is not None:
-                self.offload.before_step()  # join any host update still running, write it back
+            for executor in self.executors:  # join any host update still running, write it back
+                executor.before_step()
             self._publish(trainable)
             self._clear_grads()
             self.wait_for_weights()

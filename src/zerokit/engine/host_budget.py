@@ -13,7 +13,6 @@ import os
 from dataclasses import dataclass
 
 import psutil
-import torch
 
 from zerokit.engine.optimizer import STATE_BYTES_PER_ELEMENT
 from zerokit.policy import PlacementPolicy
@@ -41,31 +40,21 @@ class HostNeed:
         return self.weights + self.master + self.grads + self.state + self.buffers
 
 
-def plan_host_bytes(units: list, placement: PlacementPolicy, optimizer_kind: str | None, *,
-                    weights: bool = True, optimizer: bool = True) -> HostNeed:
-    """What place_weight_shards (weights) and place_units, then the optimizer state at bind
-    (optimizer), will allocate on the host; mirrors HostShard's buffers (test_host_budget checks
-    it against the ledger). An optimizer of unknown kind is counted as Adam (8 bytes)."""
+# Ledger kinds -> HostNeed fields.
+_FIELD = {"weights": "weights", "master": "master", "grads": "grads", "buffers": "buffers",
+          "optimizer_state": "state"}
+
+
+def host_need(layouts: list, optimizer_kind: str | None) -> HostNeed:
+    """The host bytes the units' layouts allocate (core/layout.py records on the host tier), plus
+    the host parts' optimizer state, allocated at bind; an optimizer of unknown kind is counted
+    as Adam (8 bytes per element)."""
     need = HostNeed()
-    state_per_elem = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
-    for u in units:
-        if weights and placement.params_on_host and u.shard is not None:
-            need.weights += u.shard_numel * u.shard.element_size()
-        if not (optimizer and placement.offloads) or not u.trainable or u.master is None:
-            continue
-        a, b = u.opt_range
-        k = placement.host_numel(b - a)
-        if k == 0:
-            continue
-        in_place = placement.params_on_host and not placement.delayed and u.shard is not None
-        fp32 = u.compute_dtype == torch.float32
-        need.master += 0 if in_place and fp32 else 4 * k
-        need.grads += 4 * k * (2 if placement.delayed else 1)
-        need.state += state_per_elem * k
-        if not fp32 and not in_place:
-            need.buffers += k * torch.empty(0, dtype=u.compute_dtype).element_size()
-        if u.device.type == "cuda":
-            need.buffers += 4 * k
+    for layout in layouts:
+        for kind, nbytes in layout.bytes("host").items():
+            field = _FIELD[kind]
+            setattr(need, field, getattr(need, field) + nbytes)
+        need.state += STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8) * layout.host_numel
     return need
 
 

@@ -46,7 +46,7 @@ def _config_optimizer(cfg: OptimizerConfig) -> OptimizerFactory:
         params.pop("torch_adam", None)
     if kind == "Lion":
         # torch's ops on any device; offloaded parts are stepped by the native host kernel, which
-        # does the same arithmetic (engine/host_step.py kernel_for).
+        # does the same arithmetic (engine/executors.py kernel_for).
         from zerokit.optim import Lion as cls
     else:
         cls = getattr(torch.optim, kind)

@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_flatten
 
 from zerokit.config.schema import ZeroConfig
 from zerokit.core.collectives import Comm
-from zerokit.core.unit import Unit, WeightState
+from zerokit.core.states import WeightState
+from zerokit.core.unit import Unit
 
 
 class Stage3Scheduler:
@@ -76,6 +77,12 @@ class Stage3Scheduler:
         for u in self.units:
             u.release()
         self._finish_iteration()
+
+    def check_state_dict(self) -> None:
+        raise RuntimeError(
+            "model.state_dict() at ZeRO stage 3 would gather every weight on every rank; use "
+            "engine.consolidated_fp32_state_dict(), engine.save_16bit_model(dir) or "
+            "zerokit.zero.GatheredParameters(params) instead")
 
     # ---- internals ------------------------------------------------------------------------------
     def _pre_backward_hook(self, unit: Unit):

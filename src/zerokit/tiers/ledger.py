@@ -1,8 +1,9 @@
 """The byte ledger: bytes per tier and per kind on this rank, counted at every allocation.
 
 The start-up plan, the end-of-run report, the tests and (later) budgets all read these numbers, so
-they cannot disagree. Long-lived tensors are `hold`-ed under a name and `release`-d; transient
-buffers (a gradient bucket in flight) go through `transient`, which tracks the peak as well.
+they cannot disagree. Long-lived buffers are held under a name by the tier that allocates them
+(tiers/tier.py) and `release`-d when freed; transient buffers (a gradient bucket in flight) go
+through `transient`, which tracks the peak as well.
 """
 from __future__ import annotations
 
@@ -41,14 +42,9 @@ class Ledger:
         self._current[key] += nbytes
         self._peak[key] = max(self._peak[key], self._current[key])
 
-    def hold(self, name: str, kind: str, t: torch.Tensor, tier: str | None = None) -> torch.Tensor:
-        if kind not in KINDS:
-            raise ValueError(f"ledger kind {kind!r} is not one of {KINDS}")
-        self.hold_bytes(name, kind, self._tier(t, tier), t.numel() * t.element_size())
-        return t
-
     def hold_bytes(self, name: str, kind: str, tier: str, nbytes: int) -> None:
-        """Count bytes that are not one tensor (an optimizer's state, a file) under a name."""
+        """Count bytes under a name: a tier's allocation (tiers/tier.py), or bytes another owner
+        allocated (torch's optimizer state, created lazily by torch)."""
         if kind not in KINDS or tier not in TIERS:
             raise ValueError(f"ledger entry {name!r}: kind {kind!r} / tier {tier!r} not in {KINDS} / {TIERS}")
         if name in self._held:

@@ -1,15 +1,18 @@
-"""The host step executor: steps every unit's host part with the native kernel, in a worker thread.
+"""Optimizer executors: each steps the optimizer parts of one tier ([Note: optimizer parts]).
 
-Per step (Engine.step calls these, in this order):
-    before_step()     gradients still crossing device -> host land; with the delayed update, the
-                      previous step's host update is joined and its weights written back
-    launch(coef, ..)  hyper-parameters are read from torch's param groups (so LR schedulers work)
-                      and the worker starts; coef = clip / loss scale rides in the kernel's
-                      grad_scale (fused: no separate pass over the gradient)
-    [the engine steps the device parts with torch's optimizer meanwhile: Twin-Flow]
-    finish()          joins the worker and writes the new weights host -> device, unless the
-                      update is delayed, in which case the worker keeps running into the next
-                      step's forward and backward (ZeRO-Offload's one-step delayed update)
+Per step, `Engine.step` calls on every executor, host executors first so that they overlap:
+    before_step()     gradients still crossing to the executor's tier land; with the delayed
+                      update, the previous step's host update is joined and its weights written
+    launch(coef, ..)  start this step's update of the parts of units some rank used; coef =
+                      clip / loss scale (torch: multiplied into the gradient; host kernel: fused
+                      into its grad_scale, no separate pass)
+    finish()          the update's weights are ready to publish, unless it is delayed (the host
+                      executor's worker then runs into the next step's forward and backward:
+                      ZeRO-Offload's one-step delayed update)
+    after_skip()      an overflowing step launched nothing: still publish what before_step wrote
+`DeviceExecutor`: torch's optimizer over the device parts. `HostExecutor`: the native kernel over
+the host parts, in a worker thread. A streaming NVMe executor (read i+1, step i, write i-1) is the
+third. Each has an `ExecutorState` ([Note: state machines]).
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from typing import Any, Callable
 
 import torch
 
-from zerokit.engine.offload import HostShard
+from zerokit.core.parts import HostPart
+from zerokit.core.states import ExecutorState, move
+from zerokit.engine.optimizer import state_bytes
 from zerokit.optim import HostAdagrad, HostAdam, HostLion, Lion
 from zerokit.optim import host as K
 from zerokit.policy import PlacementPolicy
@@ -29,12 +34,12 @@ SUPPORTED = ("Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/Ada
              "zerokit.optim.Lion instances")
 
 
-def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostShard, dict, float], None]]:
+def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostPart, dict, float], None]]:
     """(state family, step function) for the optimizer whose hyper-parameters the host follows."""
     kind = type(optimizer)
     # Subclasses count (DeepSpeed's names in zerokit.compat.deepspeed.ops are subclasses).
     if issubclass(kind, (torch.optim.Adam, torch.optim.AdamW, HostAdam)):
-        def adam(s: HostShard, g: dict, coef: float) -> None:
+        def adam(s: HostPart, g: dict, coef: float) -> None:
             adamw = g["adamw_mode"] if issubclass(kind, HostAdam) else \
                 issubclass(kind, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
             b1, b2 = g["betas"]
@@ -44,13 +49,13 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostSha
                         grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
         return "adam", adam
     if issubclass(kind, (torch.optim.Adagrad, HostAdagrad)):
-        def adagrad(s: HostShard, g: dict, coef: float) -> None:
+        def adagrad(s: HostPart, g: dict, coef: float) -> None:
             K.adagrad_step(s.master, s.grad_in_flight, s.state["sum"], lr=g["lr"], eps=g["eps"],
                            weight_decay=g["weight_decay"], step=s.steps, lr_decay=g["lr_decay"],
                            grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
         return "adagrad", adagrad
     if issubclass(kind, (HostLion, Lion)):
-        def lion(s: HostShard, g: dict, coef: float) -> None:
+        def lion(s: HostPart, g: dict, coef: float) -> None:
             b1, b2 = g["betas"]
             K.lion_step(s.master, s.grad_in_flight, s.state["exp_avg"], lr=g["lr"], beta1=b1,
                         beta2=b2, weight_decay=g["weight_decay"],
@@ -60,8 +65,55 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostSha
                     f"has no host kernel; offload supports {SUPPORTED}")
 
 
-# Steppers whose worker may still run when the interpreter exits (a delayed update in flight).
-_LIVE: "weakref.WeakSet[HostStepper]" = weakref.WeakSet()
+class DeviceExecutor:
+    """Torch's optimizer over the device parts (`unit.master`, gradient `unit.master_grad`).
+
+    The optimizer reads `master.grad`, which user code may have reset since the last step
+    (torch's `optimizer.zero_grad()` sets it to None): it is linked here, for the step only.
+    Units no rank produced a gradient for keep None, so torch skips them, as it skips
+    parameters without a gradient.
+    """
+
+    def __init__(self, units: list, optimizer: torch.optim.Optimizer, ledger):
+        self.units = [u for u in units if u.trainable]
+        self.optimizer = optimizer
+        self.state = ExecutorState.IDLE
+        self.ledger = ledger
+
+    def _move(self, new: ExecutorState) -> None:
+        self.state = move(self.state, new, "the device optimizer executor")
+
+    def before_step(self) -> None:
+        """Gradients on the device are where the optimizer reads them already."""
+
+    def launch(self, coef: float, skip: set) -> None:
+        self._move(ExecutorState.RUNNING)
+        for u in self.units:
+            if coef != 1.0:
+                u.master_grad.mul_(coef)
+            u.master.grad = None if u in skip else u.master_grad
+        self.optimizer.step()
+
+    def finish(self) -> None:
+        for u in self.units:
+            u.master.grad = None
+        if self.state is ExecutorState.RUNNING:
+            self._move(ExecutorState.IDLE)
+            # torch creates its state lazily, at the first step: count what it holds now.
+            self.ledger.hold_bytes("optimizer", "optimizer_state", "device", state_bytes(self.optimizer))
+
+    def after_skip(self) -> None:
+        """Nothing was launched, nothing is pending."""
+
+    def drop_pending(self) -> None:
+        """Nothing runs beyond a step."""
+
+    def close(self) -> None:
+        """Nothing to end."""
+
+
+# Executors whose worker may still run when the interpreter exits (a delayed update in flight).
+_LIVE: "weakref.WeakSet[HostExecutor]" = weakref.WeakSet()
 
 
 @atexit.register
@@ -74,16 +126,24 @@ def _join_in_flight() -> None:
             worker.join()
 
 
-class HostStepper:
-    def __init__(self, shards: list[HostShard], placement: PlacementPolicy):
+class HostExecutor:
+    """The native kernel over every unit's host part, in a worker thread (see the module note).
+
+    State: IDLE; RUNNING from launch until the worker is joined (in finish, or with the delayed
+    update in the next step's before_step); WRITE_BACK_PENDING between the join and the write-back
+    of the new weights, and after a checkpoint load that restores a pending write-back.
+    """
+
+    def __init__(self, units: list, placement: PlacementPolicy):
         _LIVE.add(self)
-        self.shards = shards
+        self.shards: list[HostPart] = [p for u in units for p in u.parts if p.tier == "host"]
         self.placement = placement
         self.launches = 0
+        self.state = ExecutorState.IDLE
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._stepped: list[HostShard] = []  # updated by the running / last worker
-        self._written: list[HostShard] = []  # weights written back, not yet published
+        self._stepped: list[HostPart] = []  # updated by the running / last worker
+        self._written: list[HostPart] = []  # weights written back, not yet published
         self._copied: Any = None  # CUDA event: host -> device weight copies done
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -104,11 +164,15 @@ class HostStepper:
     def delaying(self) -> bool:
         return self.placement.delayed and self.launches >= self.placement.warmup_steps
 
+    def _move(self, new: ExecutorState) -> None:
+        self.state = move(self.state, new, "the host optimizer executor")
+
     def before_step(self) -> None:
         for s in self.shards:
             s.settle()
-        if self._worker is not None:  # the delayed update of the previous step
+        if self.state is ExecutorState.RUNNING:  # the delayed update of the previous step
             self._join()
+        if self.state is ExecutorState.WRITE_BACK_PENDING:
             self._write_back()
 
     def launch(self, coef: float, skip: set) -> None:
@@ -133,6 +197,7 @@ class HostStepper:
                 done.set()
 
         self._stepped = todo
+        self._move(ExecutorState.RUNNING)
         self._worker = threading.Thread(target=run, name="zerokit-host-step", daemon=True)
         self._worker.start()
         if self.delaying:
@@ -142,24 +207,28 @@ class HostStepper:
 
     def finish(self) -> None:
         """Join the host update and write its weights back, unless it is delayed to the next step."""
-        if self._worker is not None and not (self.placement.delayed and
-                                             self.launches > self.placement.warmup_steps):
+        if self.state is ExecutorState.RUNNING and not (self.placement.delayed and
+                                                        self.launches > self.placement.warmup_steps):
             self._join()
             self._write_back()
         self._written = []  # the engine publishes every trainable unit next
 
-    def publish_written(self) -> None:
+    def after_skip(self) -> None:
         """A skipped (overflow) step still publishes the delayed weights that before_step wrote."""
         for s in self._written:
             s.unit.publish_weights()
         self._written = []
 
     def _join(self) -> None:
+        """RUNNING -> WRITE_BACK_PENDING; a failed update is forgotten (IDLE) and re-raised."""
         self._worker.join()
         self._worker = None
         if self._error is not None:
             error, self._error = self._error, None
+            self._move(ExecutorState.IDLE)
+            self._stepped = []
             raise RuntimeError("the host optimizer step failed") from error
+        self._move(ExecutorState.WRITE_BACK_PENDING)
 
     def _write_back(self) -> None:
         for s in self._stepped:
@@ -168,18 +237,21 @@ class HostStepper:
             self._copied = torch.cuda.Event()
             self._copied.record()
         self._written, self._stepped = self._stepped, []
+        self._move(ExecutorState.IDLE)
 
     # ---- checkpoints (zerokit/checkpoint/offload_state.py) ------------------------------------
     @property
     def pending_write_back(self) -> bool:
         """A delayed host update has finished or runs, and its weights are not yet written back."""
-        return self._worker is not None and bool(self._stepped)
+        return self.state is not ExecutorState.IDLE and bool(self._stepped)
 
     def drop_pending(self) -> None:
         """Before a load: finish this engine's own delayed update and forget its write-back, so it
         neither runs on under the loaded state nor overwrites the loaded weights."""
-        if self._worker is not None:
+        if self.state is ExecutorState.RUNNING:
             self._join()
+        if self.state is ExecutorState.WRITE_BACK_PENDING:
+            self._move(ExecutorState.IDLE)
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
@@ -188,10 +260,7 @@ class HostStepper:
     def restore_pending(self) -> None:
         """After a load of a checkpoint saved with an update pending: that update is done (its
         result is the loaded master); the next step writes it back, as the saving run would."""
-        finished = threading.Thread(target=lambda: None)
-        finished.start()
-        finished.join()
-        self._worker = finished
+        self._move(ExecutorState.WRITE_BACK_PENDING)
         self._stepped = list(self.shards)
 
     def close(self) -> None:
@@ -200,17 +269,10 @@ class HostStepper:
         if self._worker is not None:
             self._worker.join()
             self._worker, self._error = None, None
+        if self.state is not ExecutorState.IDLE:
+            self._move(ExecutorState.IDLE)
         if self._copied is not None:  # host -> device weight copies still read host buffers
             self._copied.synchronize()
             self._copied = None
         self._stepped, self._written = [], []
         _LIVE.discard(self)
-
-    def device_bytes_saved(self) -> int:
-        """Device bytes this rank no longer holds: optimizer state and gradient of the host parts,
-        and their fp32 master where it was a separate copy (16-bit compute)."""
-        total = 0
-        for s in self.shards:
-            master = 4 if s.out16 is not None else 0  # fp32 compute: the master is the weights
-            total += s.numel * (master + 4 + 4 * len(s.state))
-        return total

@@ -1,0 +1,120 @@
+"""Every state machine refuses a move its transition table does not list ([Note: state machines]):
+the table itself, and each owner through its own guarded move: a unit's weights, the host and
+device optimizer executors, the engine's training state."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference import tiny_gpt
+
+MICRO = 2
+
+
+def test_every_move_outside_the_table_raises() -> None:
+    from zerokit.core.states import LEGAL, ExecutorState, IllegalTransition, TrainingState, WeightState, move
+
+    for machine in (WeightState, ExecutorState, TrainingState):
+        for current in machine:
+            for new in machine:
+                if new in LEGAL[current]:
+                    assert move(current, new, "owner") is new
+                    continue
+                with pytest.raises(IllegalTransition) as e:
+                    move(current, new, "owner")
+                assert f"'{current.value}' -> '{new.value}'" in str(e.value) and "owner" in str(e.value)
+
+
+def _engine(stage: int, offload: bool):
+    import zerokit
+
+    zero = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "delayed_update": {"enabled": True, "warmup_steps": 0}}
+    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(0), config={
+        "train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    return engine
+
+
+def test_a_units_weights_refuse_an_illegal_move() -> None:
+    from zerokit.core.states import IllegalTransition, WeightState
+
+    engine = _engine(3, offload=False)
+    unit = next(u for u in engine.units if u.state is WeightState.SHARDED)
+    with pytest.raises(IllegalTransition, match=f"unit '{unit.name}' weights: illegal state change "
+                                                f"'sharded' -> 'gathered'"):
+        unit._move(WeightState.GATHERED)  # a wait without a gather: nothing was gathered
+    assert unit.state is WeightState.SHARDED
+    engine.destroy()
+
+
+def test_executors_refuse_an_illegal_move() -> None:
+    from zerokit.core.states import ExecutorState, IllegalTransition
+    from zerokit.engine.executors import DeviceExecutor
+
+    engine = _engine(2, offload=True)
+    x = torch.randint(0, 256, (MICRO, 16))
+    engine.backward(engine(x, x))
+    engine.step()  # the delayed host update now runs into the next step
+    host = engine.offload
+    assert host.state is ExecutorState.RUNNING
+    with pytest.raises(IllegalTransition, match="host optimizer executor: illegal state change "
+                                                "'running' -> 'running'"):
+        host.launch(1.0, set())  # a second update over the one in flight
+    host.drop_pending()
+    assert host.state is ExecutorState.IDLE
+    host.restore_pending()
+    with pytest.raises(IllegalTransition, match="'write-back pending' -> 'write-back pending'"):
+        host.restore_pending()
+    device = next(e for e in engine.executors if isinstance(e, DeviceExecutor))
+    with pytest.raises(IllegalTransition, match="device optimizer executor: illegal state change "
+                                                "'idle' -> 'idle'"):
+        device._move(ExecutorState.IDLE)  # finishing an update that was never launched
+    engine.destroy()
+
+
+def test_the_engine_refuses_backward_inside_forward() -> None:
+    from zerokit.core.states import IllegalTransition, TrainingState
+
+    engine = _engine(1, offload=False)
+    x = torch.randint(0, 256, (MICRO, 16))
+    loss = engine(x, x)
+    hook = engine.module.register_forward_hook(lambda *_: engine.backward(loss))
+    with pytest.raises(IllegalTransition, match="the engine: illegal state change 'forward' -> 'backward'"):
+        engine(x, x)
+    hook.remove()
+    assert engine.training_state is TrainingState.IDLE  # the failed forward left the state clean
+    with pytest.raises(IllegalTransition, match="'idle' -> 'recompute'"):
+        engine._move(TrainingState.RECOMPUTE)  # recomputation happens only inside backward
+    engine.destroy()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_hooks_tell_recomputation_from_forward(use_reentrant) -> None:
+    """A block called through torch.utils.checkpoint (as Hugging Face models do) runs its forward
+    twice: in forward, and again inside backward, which the engine's hooks see as RECOMPUTE."""
+    from torch.utils.checkpoint import checkpoint
+
+    from zerokit.core.states import TrainingState
+
+    engine = _engine(2, offload=False)
+    model = engine.module
+    block = model.transformer.h[0]
+    seen = []
+    block.register_forward_pre_hook(lambda *_: seen.append(engine.training_state))
+    t = model.transformer
+
+    def forward(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = t.drop(t.wte(idx) + t.wpe(torch.arange(idx.shape[1])))
+        for b in t.h:
+            x = checkpoint(b, x, use_reentrant=use_reentrant)
+        logits = model.lm_head(t.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    model.forward = forward
+    x = torch.randint(0, 256, (MICRO, 16))
+    engine.backward(engine(x, x))
+    assert seen == [TrainingState.FORWARD, TrainingState.RECOMPUTE], seen
+    assert engine.training_state is TrainingState.IDLE
+    engine.step()
+    engine.destroy()
