@@ -216,6 +216,17 @@ class CheckpointConfig(_Section):
                            "a background thread writes and commits (the next save or load waits).")
 
 
+class PreemptionConfig(_Section):
+    handle_sigterm: bool = Field(
+        True, description="zerokit: on SIGTERM (what schedulers send before a kill) finish the "
+                          "current step on every rank, save a checkpoint to save_dir if set, and "
+                          "exit with code 75 (zerokit.PREEMPTED_EXIT_CODE); a second SIGTERM "
+                          "exits at once. Installed only where SIGTERM has its default handler.")
+    save_dir: str | None = Field(
+        None, description="zerokit: where the preemption checkpoint goes (save_checkpoint's "
+                          "save_dir, default tag, `latest` updated); none: exit without saving.")
+
+
 class ZeroKitConfig(_Section):
     train_batch_size: Int | None = Field(None, gt=0)
     train_micro_batch_size_per_gpu: Int | None = Field(None, gt=0)
@@ -227,6 +238,13 @@ class ZeroKitConfig(_Section):
     gradient_clipping: float = Field(0.0, ge=0, description="Max global gradient norm; 0 disables.")
     zero_optimization: ZeroConfig = ZeroConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    preemption: PreemptionConfig = PreemptionConfig()
+    nonfinite: Literal["skip", "stop"] = Field(
+        "skip", description="zerokit, bf16 and fp32: a step whose loss or gradient norm is not "
+                            "finite is reported (step, first unit) and skipped, counted in "
+                            "skipped_steps ('skip'), or raises NonFiniteError on every rank "
+                            "('stop'); never applied to the weights. fp16 keeps its loss-scale "
+                            "overflow handling.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
         None, description="dtype of gradient collectives; default fp32 for bf16, else the compute dtype.")
     steps_per_print: Int = Field(10, gt=0)

@@ -145,6 +145,7 @@ class Unit:
         self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
         self.host = None  # offload: the host part of the optimizer range (HostShard), if any
         self.host_numel = 0
+        self.reduce_at_end = False  # holds a leaf module: reduced at end of backward ([Note: leaf modules])
 
     # ---- construction -----------------------------------------------------------------------
     def _build_buffers(self) -> None:
@@ -237,7 +238,7 @@ class Unit:
                 param.grad = view.view(slot.shape)
         self._ready.add(index)
         self.used = True
-        return reduce_now and len(self._ready) == len(self.slots)
+        return reduce_now and not self.reduce_at_end and len(self._ready) == len(self.slots)
 
     def launch_reduce(self) -> Handle:
         """Reduce this unit's gradients into `master_grad` (asynchronously)."""

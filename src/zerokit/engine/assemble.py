@@ -10,6 +10,7 @@ from zerokit.config import load_config
 from zerokit.config.plan import report_startup
 from zerokit.core.collectives import Comm
 from zerokit.core.devices import model_device_of
+from zerokit.core.leaf import leaf_parameter_ids
 from zerokit.core.ds_params import attach_ds_views
 from zerokit.core.unit import Unit
 from zerokit.core.wrap import group_parameters, select_modules
@@ -66,9 +67,12 @@ def initialize(model: nn.Module, optimizer: Any = None,
         for u in constructed:
             u.retire()
     retire_constructed(model)
+    leaf_params = leaf_parameter_ids(model)
     for index, unit in enumerate(units):
         unit.index = index
+        unit.reduce_at_end = any(id(s.param) in leaf_params for s in unit.slots)
     comm.unit_names = [u.name for u in units]  # divergence errors name the other rank's unit
+    comm.unit_params = [u.param_fqns() for u in units]  # ... and its parameters
     # Before the optimizer is built: torch's optimizer steps only the device parts.
     stepper, placement = _offload(units, placement, comm.device, dtype, recipe.kind)
     masters = [[u.master for u in units if u.trainable and u.group_index == g]

@@ -22,8 +22,10 @@ from zerokit.core.collectives import CollectiveError, Comm, Handle
 from zerokit.core.unit import Unit
 from zerokit.engine.attachment import Attachment, weakly
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
+from zerokit.engine.health import LossWatch, describe_position, handle_nonfinite, reduce_step_scalars
 from zerokit.engine.optimizer import state_bytes
 from zerokit.engine.precision import LossScaler, cast_inputs_half
+from zerokit.engine.preemption import Preemption
 from zerokit.engine.throughput import ThroughputTimer
 from zerokit.policy import PartitionPolicy
 from zerokit.schedule import Stage3Scheduler
@@ -78,6 +80,13 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.scheduler = (Stage3Scheduler(units, comm, config.zero_optimization, module)
                           if policy.shard_weights else None)
         self._install_module_hooks()
+        self._phase = "forward"  # for failure reports: see describe_position
+        comm.position = weakly(self._describe_position)
+        self._losses = LossWatch()  # non-finite losses, read at the step ([Note: non-finite steps])
+        self._preemption = Preemption.install(self, config.preemption)  # [Note: preemption]
+
+    def _describe_position(self) -> str:
+        return describe_position(self)
 
     def _install_module_hooks(self) -> None:
         """Thin hooks: each asks the scheduler (stage 3) or the units to have weights ready."""
@@ -129,6 +138,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.tput_timer.start()
+        self._phase = "forward"
         t0 = time.perf_counter()
         if self.config.fp16.auto_cast:
             args = cast_inputs_half(args)
@@ -152,6 +162,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         # Stage >= 2 reduces every micro-step (gradients never persist in full); below that,
         # gradients accumulate locally and are reduced once, on the boundary's backward.
         self._reduce_now = self.policy.shard_gradients or self.is_gradient_accumulation_boundary()
+        self._phase = "backward"
+        self._losses.note(loss)
         t0 = time.perf_counter()
         self.wait_for_weights()  # units whose modules forward did not call
         scale = self.loss_scaler.scale / (self._gradient_accumulation_steps if scale_wrt_gas else 1)
@@ -205,6 +217,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.tput_timer.stop(global_step=boundary)
         if not boundary:
             return
+        self._phase = "step"
         t0 = time.perf_counter()
         settle_checkpoint(self)  # an async save may still be reading the state this step changes
         # Every collective so far agreed across ranks, before the step applies their results
@@ -224,6 +237,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._timers["step"] += time.perf_counter() - t0
         if self.global_steps % self.config.steps_per_print == 0:
             self._report_progress(overflow)
+        self._phase = "between steps"
+        self._preemption.after_step(self)  # SIGTERM: save and exit ([Note: preemption])
 
     def _update(self, trainable: list[Unit]) -> bool:
         """Unscale, clip, step and publish; True if the step was skipped for an overflow."""
@@ -251,12 +266,15 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         scale = self.loss_scaler.scale
         coef = 1.0 / scale
         clip = self.config.gradient_clipping
-        self._last_grad_norm = None  # get_global_grad_norm() after the step reads it
-        if clip <= 0 and not self.loss_scaler.checks_overflow:
-            return coef, False
-        norm = self._global_grad_norm(trainable)  # of the scaled gradients
-        self._last_grad_norm = norm / scale
-        if not math.isfinite(norm):
+        # One all-reduce: the norm (of the scaled gradients), non-finite losses, SIGTERM.
+        scalars = reduce_step_scalars(trainable, self.comm, self.policy.shard_optimizer,
+                                      self._losses, self._preemption.requested)
+        self._preemption.agreed = scalars.preempted
+        norm = scalars.grad_norm
+        self._last_grad_norm = norm / scale  # get_global_grad_norm() after the step reads it
+        if not math.isfinite(norm) or scalars.nonfinite_losses:
+            if not self.loss_scaler.checks_overflow:  # fp16 overflows are the loss scale's
+                handle_nonfinite(self, trainable, scalars)  # reports; raises for "stop"
             return coef, True
         if clip > 0:
             clip_coef = clip / (norm / scale + 1e-6)
@@ -343,15 +361,6 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """Finish gathering the weights of the last step (see [Note: weights in flight])."""
         for u in self.units:
             u.wait_weights()
-
-    def _global_grad_norm(self, units: list[Unit]) -> float:
-        """L2 norm over every shard: local sums, then one scalar all-reduce where sharded."""
-        total = torch.zeros((), dtype=torch.float64, device=self.comm.device)
-        for u in units:
-            total += u.grad_sq_norm()
-        if self.policy.shard_optimizer:
-            self.comm.sum_scalar(total.view(1), "the global gradient norm")
-        return math.sqrt(total.item()) if math.isfinite(total.item()) else math.inf
 
     def zero_grad(self) -> None:
         """Kept for loops written for torch or DeepSpeed; discards nothing.
