@@ -65,9 +65,11 @@ def _load(rank: int, world: int, save_dir: str) -> tuple[int, dict]:
     return engine.global_steps, engine.consolidated_fp32_state_dict()
 
 
-# point -> the global step the world stops after (SIGTERM in step index 1, or before index 2)
-CASES = [("forward", "0,1", 2), ("backward", "0,1", 2), ("step", "0,1", 2), ("between", "0,1", 3),
-         ("backward", "0", 2)]
+# (point, signalled ranks, the global step the world stops after). SIGTERM in forward or backward
+# of step index 1 stops after it (global step 2); in its optimizer update, after the ranks agreed
+# for that step, it is acted on at the next step (3); between steps, before index 2, after it (3).
+CASES = [("forward", "0,1", 2), ("backward", "0,1", 2), ("step", "0,1", 3), ("between", "0,1", 3),
+         ("backward", "0", 2), ("step", "1", 3)]
 
 
 def test_sigterm_at_each_point_saves_a_loadable_checkpoint_and_exits_75(tmp_path) -> None:
