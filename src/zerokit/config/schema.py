@@ -85,6 +85,21 @@ def _check_param_value(where: str, key: str, value: Any) -> None:
         allowed = "a number (or a list of numbers)"
     if not ok:
         raise ValueError(f"{where} must be {allowed} (got {value!r})")
+    _check_param_range(where, key, value)
+
+
+def _check_param_range(where: str, key: str, value: Any) -> None:
+    """The ranges torch would refuse later, without naming the key (or with a bare TypeError)."""
+    if key == "betas":
+        if not (isinstance(value, (list, tuple)) and len(value) == 2):
+            raise ValueError(f"{where} must be a list of two numbers [beta1, beta2], each in "
+                             f"[0, 1) (got {value!r})")
+        for i, b in enumerate(value):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{where}[{i}] must be in [0, 1) (got {b!r} in {value!r})")
+    elif key in ("eps", "weight_decay", "momentum", "lr_decay", "initial_accumulator_value"):
+        if isinstance(value, (list, tuple)) or value < 0:
+            raise ValueError(f"{where} must be a number >= 0 (got {value!r})")
 
 
 class OptimizerConfig(_Section):

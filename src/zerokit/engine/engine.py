@@ -270,6 +270,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         scalars = reduce_step_scalars(trainable, self.comm, self.policy.shard_optimizer,
                                       self._losses, self._preemption.requested)
         self._preemption.agreed = scalars.preempted
+        self._step_unused = scalars.unused  # read by _unused_everywhere
         norm = scalars.grad_norm
         self._last_grad_norm = norm / scale  # get_global_grad_norm() after the step reads it
         if not math.isfinite(norm) or scalars.nonfinite_losses:
@@ -351,11 +352,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._timers = dict.fromkeys(self._timers, 0.0)
 
     def _unused_everywhere(self, units: list[Unit]) -> list[Unit]:
-        """Units no rank produced a gradient for since the last step (one small all-reduce)."""
-        used = torch.tensor([u.used for u in units], dtype=torch.uint8, device=self.comm.device)
-        if self.comm.world_size > 1:
-            self.comm.all_reduce_(used, "the used-units flags", op=torch.distributed.ReduceOp.MAX)
-        return [u for u, flag in zip(units, used.tolist()) if not flag]
+        """Units no rank produced a gradient for since the last step: agreed in the step's one
+        all-reduce, with the gradient norm (see health.reduce_step_scalars)."""
+        return [u for u in units if u in self._step_unused]
 
     def wait_for_weights(self) -> None:
         """Finish gathering the weights of the last step (see [Note: weights in flight])."""

@@ -52,6 +52,7 @@ class StepScalars:
     grad_norm: float         # global L2 norm of the (scaled) gradients; inf when not finite
     nonfinite_losses: int    # micro-steps since the last step whose loss was not finite, all ranks
     preempted: bool          # some rank received SIGTERM (see engine/preemption.py)
+    unused: list             # units no rank produced a gradient for since the last step
 
 
 class LossWatch:
@@ -72,20 +73,23 @@ class LossWatch:
 
 def reduce_step_scalars(units: list["Unit"], comm: "Comm", sharded: bool, losses: LossWatch,
                         preempted: bool) -> StepScalars:
-    """The gradient norm, the non-finite-loss count and the preemption flag, in one all-reduce
+    """The gradient norm, the non-finite-loss count, the preemption flag and the used-units flags
+    (see Engine._unused_everywhere), in one all-reduce: the step's only one besides the weights'
     (none at world size 1; at stage 0 the norm is local, the rest still needs the reduction)."""
     local = torch.zeros((), dtype=torch.float64, device=comm.device)
     for u in units:
         local += u.grad_sq_norm()
-    values = torch.stack([local if sharded else torch.zeros_like(local), losses.take(comm.device),
-                          torch.tensor(float(preempted), dtype=torch.float64, device=comm.device)])
+    flags = torch.tensor([float(preempted)] + [float(u.used) for u in units], dtype=torch.float64)
+    values = torch.cat([torch.stack([local if sharded else torch.zeros_like(local),
+                                     losses.take(comm.device)]), flags.to(comm.device)])
     if comm.world_size > 1:
-        comm.sum_scalar(values, "the global gradient norm and step flags")
-    sq, bad, stop = values.tolist()  # the one host read of the step
+        comm.all_reduce_(values, "the global gradient norm and step flags")
+    sq, bad, stop, *used = values.tolist()  # the one host read of the step
     if not sharded:
         sq = local.item()
     return StepScalars(math.sqrt(sq) if math.isfinite(sq) else math.inf, int(bad) if
-                       math.isfinite(bad) else 1, stop > 0)
+                       math.isfinite(bad) else 1, stop > 0,
+                       [u for u, n in zip(units, used) if not n > 0])
 
 
 def first_nonfinite_unit(units: list["Unit"], comm: "Comm", sharded: bool) -> "Unit | None":
