@@ -9,9 +9,14 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from zerokit.core.leaf import get_leaf_modules, set_leaf_modules, unset_leaf_modules  # noqa: F401
 from zerokit.core.unit import Unit, WeightState, unit_of
 from zerokit.policy import PlacementPolicy
 from zerokit.pretrained import LoadReport, load_pretrained_sharded  # noqa: F401  (public here)
+
+# DeepSpeed's names (deepspeed.utils.set_z3_leaf_modules ...): see [Note: leaf modules].
+set_z3_leaf_modules, unset_z3_leaf_modules, get_z3_leaf_modules = (
+    set_leaf_modules, unset_leaf_modules, get_leaf_modules)
 
 
 class GatheredParameters:

@@ -276,5 +276,10 @@ def test_accelerator_comm_and_utils_on_one_process():
     assert cloned["a"][0].untyped_storage().nbytes() == 2 * 4
     groups = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "lr": 0.1})
     assert len(groups) == 1 and groups[0]["lr"] == 0.1
-    with pytest.raises(NotImplementedError, match="Robustness"):
-        set_z3_leaf_modules(model, [torch.nn.Linear])
+    from zerokit.compat.deepspeed.utils import get_z3_leaf_modules, unset_z3_leaf_modules
+
+    marked = set_z3_leaf_modules(model, [torch.nn.LayerNorm])  # zerokit/core/leaf.py
+    assert marked and get_z3_leaf_modules(model) == marked
+    assert unset_z3_leaf_modules(model, ["LayerNorm"]) == marked and not get_z3_leaf_modules(model)
+    with pytest.raises(ValueError, match="Conv2d"):
+        set_z3_leaf_modules(model, [torch.nn.Conv2d])

@@ -21,6 +21,7 @@ from zerokit.checkpoint.offload_state import (drop_own_pending_update, host_part
                                               load_master, restore_pipeline)
 from zerokit.checkpoint.save import LATEST, _sampler, persistent_buffers, wait_for_checkpoint
 from zerokit.checkpoint.storage import ShardFile
+from zerokit.checkpoint.verify import check_shard_files
 from zerokit.core.unit import WeightState
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ def read_meta(path: str) -> dict:
     problems += [f"{name} is not listed" for name in sorted(expected - set(meta["files"]))]
     if problems:
         raise IncompleteCheckpointError(f"checkpoint {path} is incomplete: " + "; ".join(problems))
+    check_shard_files(path, meta, f"checkpoint {path}")  # [Note: self-checking checkpoints]
     return meta
 
 

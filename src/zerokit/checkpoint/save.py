@@ -54,6 +54,7 @@ from zerokit.checkpoint.metadata import (COMMON, META, MODEL_CONFIG, describe, d
 from zerokit.checkpoint.offload_state import (IN_USE, cut, master_parts, offload_record, pending_write_back,
                                               state_keys, state_parts, wait_for_host_updates)
 from zerokit.checkpoint.staging import stage
+from zerokit.checkpoint.verify import check_shard_files
 from zerokit.checkpoint.storage import (CheckpointWriteError, Parts, fsync_dir, nbytes_of,
                                         save_shard_file, write_bytes_atomic, write_error, write_json)
 
@@ -335,6 +336,8 @@ def commit(save_dir: str, tmp: str, tag: str, world_size: int, meta: dict, save_
         got = os.path.getsize(os.path.join(tmp, name))
         if got != size:
             raise RuntimeError(f"checkpoint {tag}: {name} has {got} bytes, its writer reported {size}")
+    # Every file against the plan before the tag exists: see [Note: self-checking checkpoints].
+    check_shard_files(tmp, meta, f"checkpoint {tag} (being saved; not committed, 'latest' unchanged)")
     write_json(os.path.join(tmp, META), dict(meta, tag=tag, files=files))
     fsync_dir(tmp)
     final, old = os.path.join(save_dir, tag), os.path.join(save_dir, f".old-{tag}")

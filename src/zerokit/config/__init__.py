@@ -32,7 +32,9 @@ def load_config(config: "ZeroKitConfig | dict[str, Any] | str | os.PathLike | No
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+            line = e.doc.splitlines()[e.lineno - 1] if e.doc.splitlines()[e.lineno - 1:] else ""
+            raise ConfigError(f"config file {path}, line {e.lineno} column {e.colno}: not valid "
+                              f"JSON ({e.msg}): {line.strip()!r}") from None
     if not isinstance(config, dict):
         raise ConfigError(
             f"config must be a dict, a JSON path or a ZeroKitConfig (got {type(config).__name__})")

@@ -85,6 +85,21 @@ def _check_param_value(where: str, key: str, value: Any) -> None:
         allowed = "a number (or a list of numbers)"
     if not ok:
         raise ValueError(f"{where} must be {allowed} (got {value!r})")
+    _check_param_range(where, key, value)
+
+
+def _check_param_range(where: str, key: str, value: Any) -> None:
+    """The ranges torch would refuse later, without naming the key (or with a bare TypeError)."""
+    if key == "betas":
+        if not (isinstance(value, (list, tuple)) and len(value) == 2):
+            raise ValueError(f"{where} must be a list of two numbers [beta1, beta2], each in "
+                             f"[0, 1) (got {value!r})")
+        for i, b in enumerate(value):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{where}[{i}] must be in [0, 1) (got {b!r} in {value!r})")
+    elif key in ("eps", "weight_decay", "momentum", "lr_decay", "initial_accumulator_value"):
+        if isinstance(value, (list, tuple)) or value < 0:
+            raise ValueError(f"{where} must be a number >= 0 (got {value!r})")
 
 
 class OptimizerConfig(_Section):
@@ -224,6 +239,17 @@ class CheckpointConfig(_Section):
                            "a background thread writes and commits (the next save or load waits).")
 
 
+class PreemptionConfig(_Section):
+    handle_sigterm: bool = Field(
+        True, description="zerokit: on SIGTERM (what schedulers send before a kill) finish the "
+                          "current step on every rank, save a checkpoint to save_dir if set, and "
+                          "exit with code 75 (zerokit.PREEMPTED_EXIT_CODE); a second SIGTERM "
+                          "exits at once. Installed only where SIGTERM has its default handler.")
+    save_dir: str | None = Field(
+        None, description="zerokit: where the preemption checkpoint goes (save_checkpoint's "
+                          "save_dir, default tag, `latest` updated); none: exit without saving.")
+
+
 class ZeroKitConfig(_Section):
     train_batch_size: Int | None = Field(None, gt=0)
     train_micro_batch_size_per_gpu: Int | None = Field(None, gt=0)
@@ -235,6 +261,13 @@ class ZeroKitConfig(_Section):
     gradient_clipping: float = Field(0.0, ge=0, description="Max global gradient norm; 0 disables.")
     zero_optimization: ZeroConfig = ZeroConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    preemption: PreemptionConfig = PreemptionConfig()
+    nonfinite: Literal["skip", "stop"] = Field(
+        "skip", description="zerokit, bf16 and fp32: a step whose loss or gradient norm is not "
+                            "finite is reported (step, first unit) and skipped, counted in "
+                            "skipped_steps ('skip'), or raises NonFiniteError on every rank "
+                            "('stop'); never applied to the weights. fp16 keeps its loss-scale "
+                            "overflow handling.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
         None, description="dtype of gradient collectives; default fp32 for bf16, else the compute dtype.")
     steps_per_print: Int | float = Field(

@@ -94,6 +94,8 @@ class Comm:
     _store: object | None = None
     _beat_stop: threading.Event = field(default_factory=threading.Event)
     unit_names: list[str] = field(default_factory=list)  # by unit index, for divergence errors
+    unit_params: list[list[str]] = field(default_factory=list)  # by unit index: parameter names
+    position: Callable[[], str] | None = None  # where this rank is in its schedule (the engine's)
     agreement: HeaderedExchanges | LaggedChecks | None = None  # see [Note: rank agreement]
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -133,8 +135,25 @@ class Comm:
 
     def _diverged(self, mine: Signature, where: str, theirs: Signature, peer: int | None) -> None:
         who = f"rank {peer}" if peer is not None else "another rank"
-        raise CollectiveError(describe_divergence(self.rank, self.world_size, mine, where, theirs,
-                                                  who, self.unit_names))
+        text = describe_divergence(self.rank, self.world_size, mine, where, theirs, who,
+                                   self.unit_names)
+        raise CollectiveError(text + self._context(mine.unit, theirs.unit))
+
+    def _context(self, *units: int) -> str:
+        """What a failure needs besides the collective: the units' parameters and this rank's
+        position in its schedule (each rank reports its own; together they show where each was)."""
+        parts = []
+        for u in dict.fromkeys(units):
+            if 0 <= u < len(self.unit_params) and u < len(self.unit_names):
+                names = self.unit_params[u]
+                more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+                parts.append(f"unit '{self.unit_names[u]}' holds {', '.join(names[:6])}{more}")
+        if self.position is not None:
+            try:
+                parts.append(f"this rank was at {self.position()}")
+            except Exception:  # the description must never hide the failure it describes
+                pass
+        return "".join(f" {p}." for p in parts)
 
     def settle_agreement(self) -> None:
         """Verify every collective issued so far agrees across ranks (blocking): the engine calls
@@ -198,7 +217,7 @@ class Comm:
             return CollectiveError(
                 f"rank {self.rank}/{self.world_size}: {op} for {where} failed after at most "
                 f"{self.timeout_s:.0f}s (comm_timeout_s): {who}. Backend said: "
-                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}" + self._context())
         return describe
 
     def _guarded(self, op: str, where: str, call: Callable[[], object]) -> object:

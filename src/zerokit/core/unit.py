@@ -150,6 +150,7 @@ class Unit:
         self._fetch_stream = None  # CUDA side stream a host shard's gather runs on (offload_param)
         self.index = -1  # position in the engine's unit list; set by the engine
         self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
+        self.reduce_at_end = False  # holds a leaf module: reduced at end of backward ([Note: leaf modules])
 
     # ---- construction -----------------------------------------------------------------------
     def _allocate(self, tiers: dict) -> None:
@@ -251,7 +252,7 @@ class Unit:
                 param.grad = view
         self._ready.add(index)
         self.used = True
-        return reduce_now and len(self._ready) == len(self.slots)
+        return reduce_now and not self.reduce_at_end and len(self._ready) == len(self.slots)
 
     def launch_reduce(self) -> Handle:
         """Reduce this unit's gradients into `master_grad` (asynchronously)."""

@@ -13,6 +13,8 @@ from typing import Callable, Iterable
 
 import torch.nn as nn
 
+from zerokit.core.leaf import keep_leaves_whole
+
 WrapPolicy = Callable[[str, nn.Module], bool]
 
 
@@ -35,7 +37,7 @@ def select_modules(model: nn.Module, wrap: "Iterable[type] | WrapPolicy | None"
                    ) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every wrapped module, outermost only, in registration order."""
     if wrap is None:
-        return default_wrap_policy(model)
+        return keep_leaves_whole(model, default_wrap_policy(model))
     if callable(wrap) and not isinstance(wrap, type):
         predicate = wrap
     else:
@@ -53,7 +55,7 @@ def select_modules(model: nn.Module, wrap: "Iterable[type] | WrapPolicy | None"
         if predicate(name, module):
             chosen.append((name, module))
             taken.append(name)
-    return chosen
+    return keep_leaves_whole(model, chosen)  # see [Note: leaf modules]
 
 
 def group_parameters(model: nn.Module, wrapped: list[tuple[str, nn.Module]],

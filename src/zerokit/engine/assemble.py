@@ -12,6 +12,7 @@ from zerokit.config import load_config, resolve_auto
 from zerokit.config.plan import report_startup
 from zerokit.core.collectives import Comm
 from zerokit.core.devices import model_device_of
+from zerokit.core.leaf import leaf_parameter_ids
 from zerokit.core.ds_params import attach_ds_views
 from zerokit.core.layout import UnitLayout, plan_layout
 from zerokit.core.unit import Unit
@@ -78,10 +79,13 @@ def initialize(model: nn.Module, optimizer: Any = None,
         for u in constructed:
             u.retire()
     retire_constructed(model)
+    leaf_params = leaf_parameter_ids(model)
     for index, unit in enumerate(units):
         unit.index = index
         unit.grad_scales = cfg.gradient_reduction_scales(comm.world_size)
+        unit.reduce_at_end = any(id(s.param) in leaf_params for s in unit.slots)
     comm.unit_names = [u.name for u in units]  # divergence errors name the other rank's unit
+    comm.unit_params = [u.param_fqns() for u in units]  # ... and its parameters
     # torch's optimizer steps only the device parts; the host executor steps the host parts.
     masters = [[u.master for u in units if u.trainable and u.group_index == g]
                for g in range(len(recipe.hyper))]

@@ -24,7 +24,9 @@ from zerokit.engine.attachment import Attachment, weakly
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
 from zerokit.engine.executors import HostExecutor
 from zerokit.core.states import TrainingState, move
+from zerokit.engine.health import LossWatch, describe_position, handle_nonfinite, reduce_step_scalars
 from zerokit.engine.precision import LossScaler, cast_inputs_half
+from zerokit.engine.preemption import Preemption
 from zerokit.engine.throughput import ThroughputTimer
 from zerokit.policy import PartitionPolicy
 from zerokit.schedule import schedule_for
@@ -83,6 +85,13 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         # Stage 3 gathers around use; below, a schedule that only waits for a publish in flight.
         self.scheduler = schedule_for(units, comm, config.zero_optimization, module, policy)
         self._install_module_hooks()
+        self._phase = "forward"  # for failure reports: see describe_position
+        comm.position = weakly(self._describe_position)
+        self._losses = LossWatch()  # non-finite losses, read at the step ([Note: non-finite steps])
+        self._preemption = Preemption.install(self, config.preemption)  # [Note: preemption]
+
+    def _describe_position(self) -> str:
+        return describe_position(self)
 
     def _install_module_hooks(self) -> None:
         """Thin hooks: each asks the gather schedule to have the weights ready."""
@@ -132,6 +141,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.tput_timer.start()
+        self._phase = "forward"
         t0 = time.perf_counter()
         if self.config.fp16.auto_cast:
             args = cast_inputs_half(args)
@@ -159,6 +169,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         # Stage >= 2 reduces every micro-step (gradients never persist in full); below that,
         # gradients accumulate locally and are reduced once, on the boundary's backward.
         self._reduce_now = self.policy.shard_gradients or self.is_gradient_accumulation_boundary()
+        self._phase = "backward"
+        self._losses.note(loss)
         t0 = time.perf_counter()
         self.wait_for_weights()  # units whose modules forward did not call
         scale = self.loss_scaler.scale / (self._gradient_accumulation_steps if scale_wrt_gas else 1)
@@ -215,6 +227,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.tput_timer.stop(global_step=boundary)
         if not boundary:
             return
+        self._phase = "step"
         t0 = time.perf_counter()
         settle_checkpoint(self)  # an async save may still be reading the state this step changes
         # Every collective so far agreed across ranks, before the step applies their results
@@ -234,6 +247,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._timers["step"] += time.perf_counter() - t0
         if self.global_steps % self.config.steps_per_print == 0:
             self._report_progress(overflow)
+        self._phase = "between steps"
+        self._preemption.after_step(self)  # SIGTERM: save and exit ([Note: preemption])
 
     def _update(self, trainable: list[Unit]) -> bool:
         """Unscale, clip, step and publish; True if the step was skipped for an overflow."""
@@ -256,12 +271,18 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         scale = self.loss_scaler.scale
         coef = 1.0 / scale
         clip = self.config.gradient_clipping
-        self._last_grad_norm = None  # get_global_grad_norm() after the step reads it
-        if clip <= 0 and not self.loss_scaler.checks_overflow:
-            return coef, False
-        norm = self._global_grad_norm(trainable)  # of the scaled gradients
-        self._last_grad_norm = norm / scale
-        if not math.isfinite(norm):
+        # One all-reduce: the norm (of the scaled gradients), non-finite losses, SIGTERM.
+        scalars = reduce_step_scalars(trainable, self.comm, self.policy.shard_optimizer,
+                                      self._losses, self._preemption.requested,
+                                      abandoned=self._abandoned_step is not None)
+        self._check_replicas_agree(scalars.abandoned_by)
+        self._preemption.agreed = scalars.preempted
+        self._step_unused = scalars.unused  # read by _unused_everywhere
+        norm = scalars.grad_norm
+        self._last_grad_norm = norm / scale  # get_global_grad_norm() after the step reads it
+        if not math.isfinite(norm) or scalars.nonfinite_losses:
+            if not self.loss_scaler.checks_overflow:  # fp16 overflows are the loss scale's
+                handle_nonfinite(self, trainable, scalars)  # reports; raises for "stop"
             return coef, True
         if clip > 0:
             clip_coef = clip / (norm / scale + 1e-6)
@@ -329,18 +350,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._timers = dict.fromkeys(self._timers, 0.0)
 
     def _unused_everywhere(self, units: list[Unit]) -> list[Unit]:
-        """Units no rank produced a gradient for since the last step. The same small all-reduce
-        carries one flag per rank: whether that rank abandoned its last step (its optimizer
-        raised), which other ranks cannot otherwise know."""
-        n, world = len(units), self.comm.world_size
-        flags = torch.zeros(n + world, dtype=torch.uint8, device=self.comm.device)
-        flags[:n] = torch.tensor([u.used for u in units], dtype=torch.uint8)
-        flags[n + self.comm.rank] = self._abandoned_step is not None
-        if world > 1:
-            self.comm.all_reduce_(flags, "the used-units flags", op=torch.distributed.ReduceOp.MAX)
-        values = flags.tolist()
-        self._check_replicas_agree([r for r in range(world) if values[n + r]])
-        return [u for u, flag in zip(units, values[:n]) if not flag]
+        """Units no rank produced a gradient for since the last step: agreed in the step's one
+        all-reduce, with the gradient norm (see health.reduce_step_scalars)."""
+        return [u for u in units if u in self._step_unused]
 
     def _check_replicas_agree(self, abandoned_by: list[int]) -> None:
         """Some ranks abandoned their last step while others applied it. Where the optimizer
@@ -367,15 +379,6 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """Finish gathering the weights of the last step (see [Note: weights in flight])."""
         for u in self.units:
             u.wait_weights()
-
-    def _global_grad_norm(self, units: list[Unit]) -> float:
-        """L2 norm over every shard: local sums, then one scalar all-reduce where sharded."""
-        total = torch.zeros((), dtype=torch.float64, device=self.comm.device)
-        for u in units:
-            total += u.grad_sq_norm()
-        if self.policy.shard_optimizer:
-            self.comm.sum_scalar(total.view(1), "the global gradient norm")
-        return math.sqrt(total.item()) if math.isfinite(total.item()) else math.inf
 
     def zero_grad(self) -> None:
         """Kept for loops written for torch or DeepSpeed; discards nothing.

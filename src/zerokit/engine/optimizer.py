@@ -71,6 +71,12 @@ def recipe_from(model: nn.Module, optimizer: Any, model_parameters: Iterable[Any
     else:
         groups = _normalize_groups(model_parameters if model_parameters is not None
                                    else model.parameters())
+        if model_parameters is not None and not any(g["params"] for g in groups):
+            raise ValueError(
+                "initialize(model_parameters=...) is empty (no parameters in it, or in any of its "
+                "param groups): pass model.parameters(), a list of parameters or of param-group "
+                "dicts {'params': [...], ...}, or leave it None to train every parameter of the "
+                "model")
         if optimizer is None:
             if config_optimizer is None:
                 raise ValueError("no optimizer: pass optimizer= to initialize() or set the config's "
