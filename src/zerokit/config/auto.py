@@ -9,10 +9,9 @@ and refuses every other "auto", naming the key and what fills it.
 """
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any
 
-from zerokit.config.compat import ConfigError
+from zerokit.config.compat import ConfigError, without_key
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -71,10 +70,10 @@ def split_auto(raw: dict[str, Any]) -> tuple[dict[str, Any], set[str], list[str]
         if path in BATCH_KEYS or (parts[0] == "zero_optimization" and len(parts) == 2
                                   and parts[1] in HIDDEN_SIZE_KEYS):
             resolvable.add(path)
-            out = _without(out, parts)
+            out = without_key(out, parts)
         else:
             problems.append(_unresolvable(path))
-            out = _without(out, parts)
+            out = without_key(out, parts)
     given = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if raw.get(k) not in (None, AUTO)]
     if not given and any(k in resolvable for k in BATCH_KEYS):
         problems.append(
@@ -83,16 +82,6 @@ def split_auto(raw: dict[str, Any]) -> tuple[dict[str, Any], set[str], list[str]
             'TrainingArguments.per_device_train_batch_size and gradient_accumulation_steps. Calling '
             'zerokit directly, give train_micro_batch_size_per_gpu (or train_batch_size)')
     return out, resolvable, problems
-
-
-def _without(raw: dict, parts: tuple[str, ...]) -> dict:
-    out = copy.copy(raw)
-    parent = out
-    for part in parts[:-1]:
-        parent[part] = copy.copy(parent[part])
-        parent = parent[part]
-    del parent[parts[-1]]
-    return out
 
 
 def hidden_size_of(model: "nn.Module") -> int | None:

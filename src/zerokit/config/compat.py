@@ -5,6 +5,7 @@ DeepSpeed feature zerokit does not have): the message names the nearest valid ke
 """
 from __future__ import annotations
 
+import copy
 import difflib
 from typing import Any
 
@@ -69,3 +70,15 @@ def describe(error: ValidationError, root: type[BaseModel]) -> ConfigError:
             shown = "" if isinstance(value, dict) else f" (got {value!r})"
             lines.append(f"{where}: {msg}{shown}")
     return ConfigError("invalid zerokit config:\n  " + "\n  ".join(lines))
+
+
+def without_key(raw: dict, parts: tuple[str, ...]) -> dict:
+    """A copy of the config dict `raw` without the key at path `parts` (the user's dict and its
+    other sections are left as given: only the dicts on the path are copied)."""
+    out = copy.copy(raw)
+    parent = out
+    for part in parts[:-1]:
+        parent[part] = copy.copy(parent[part])
+        parent = parent[part]
+    del parent[parts[-1]]
+    return out

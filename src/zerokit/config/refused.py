@@ -9,9 +9,10 @@ DeepSpeed's defaults load. Keys zerokit accepts and ignores are config/ignored.p
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from zerokit.config.compat import without_key
 
 ISSUE_INFINITY = "ZeRO-Infinity, issue #16"
 ISSUE_ACTIVATIONS = "Activation memory, issue #18"
@@ -143,7 +144,7 @@ def check_refused(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if not entry.accepts(value):
             problems.append(refused_message(path, value, entry))
         elif not _declared(parts) and not _inside_ignored(parts):
-            out = _without(out, parts)  # the ignored section around it is reported whole
+            out = without_key(out, parts)  # the ignored section around it is reported whole
     return out, problems
 
 
@@ -153,11 +154,3 @@ def _inside_ignored(parts: tuple[str, ...]) -> bool:
     return any(".".join(parts[:n]) in IGNORED for n in range(1, len(parts)))
 
 
-def _without(raw: dict, parts: tuple[str, ...]) -> dict:
-    out = copy.copy(raw)
-    parent = out
-    for part in parts[:-1]:
-        parent[part] = copy.copy(parent[part])
-        parent = parent[part]
-    del parent[parts[-1]]
-    return out
