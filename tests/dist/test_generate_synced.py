@@ -36,7 +36,7 @@ def _generate(rank: int, world: int) -> tuple[list[int], int]:
         "train_micro_batch_size_per_gpu": 1, "comm_timeout_s": 30,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "stage3_prefetch_bucket_size": 3000}})
+                              "stage3_prefetch_bucket_size": 50_000}})
     prompt = _prompt(rank)
     with torch.no_grad():
         out = engine.module.generate(prompt, attention_mask=torch.ones_like(prompt),
@@ -49,7 +49,7 @@ def _generate(rank: int, world: int) -> tuple[list[int], int]:
     return out[0].tolist(), engine.scheduler.stats["prefetched"]
 
 
-@pytest.mark.parametrize("world", [2])
+@pytest.mark.parametrize("world", [2, 4])
 def test_generate_synced_gpus_at_stage_3_with_different_prompt_lengths(world: int) -> None:
     results = run_world(_generate, world, timeout=180)
     plain = _tiny_gpt2()
