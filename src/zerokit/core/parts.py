@@ -57,7 +57,8 @@ class DevicePart:
             dest.copy_(reduced)
 
     def grad_sq_norm(self) -> torch.Tensor:
-        return self.grad.double().pow(2).sum()
+        # Accumulated in float64 without materialising a float64 copy of the gradient.
+        return torch.linalg.vector_norm(self.grad, dtype=torch.float64).square()
 
     def zero_grad(self) -> None:
         self.grad.zero_()
