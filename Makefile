@@ -25,7 +25,7 @@ demo: $(STAMP)
 		$(BIN)/zerokit train --stage 2 --steps $(DEMO_STEPS) --layers 4 --width 192 --heads 6
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
