@@ -1,0 +1,388 @@
+#!/usr/bin/env python
+"""ZeRO-Infinity on one rank: zerokit vs DeepSpeed, parameters and optimizer state on NVMe.
+
+    flock /tmp/zk-heavy.lock .venv/bin/python benchmarks/bench_infinity.py                 # 125m, 1b
+    python benchmarks/bench_infinity.py --models 125m,1b,3b --rows ds-inf,zk-inf,zk-inf-half
+    python benchmarks/bench_infinity.py --models 4b --rows zk-inf-8g                       # the largest
+
+The issue's setup (#16): GPT (nanoGPT shape, vocab 32000) at stage 3, parameters and optimizer
+state on NVMe, bf16, AdamW, seq 128, micro-batch 1, one rank, 2 intra-op threads. Each model is
+built inside the library's own `zero.Init(remote_device="nvme")`, so neither side materialises
+the whole model in RAM first. Each row is its own process (so peak RSS is that row's alone):
+  ds-inf       DeepSpeed 0.19 ZeRO-Infinity (CPU accelerator, its async_io op: needs libaio-dev)
+  zk-inf       zerokit, the host budget left at its default
+  zk-inf-half  zerokit, host budget = half of DeepSpeed's peak RSS at that size (from this run, or
+               --ds-rss-gib)
+  zk-inf-8g    zerokit, host budget 8 GiB (the "largest model that trains here" row)
+
+Measured outside the libraries under test: step time (wall clock around forward+backward+step),
+peak RSS (ru_maxrss), bytes read and written per step (/proc/self/io read_bytes/write_bytes: what
+reached the block device, not the page cache), bytes on disk under the swap folder (du) and the
+disk's own sequential bandwidth, measured in the same run with `dd` and O_DIRECT. Prints a table
+and writes benchmarks/results/bench_infinity-<time>.json (and -latest.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+GiB = 1 << 30
+MODELS = {  # name -> (n_layer, n_embd, n_head)
+    "125m": (12, 768, 12),
+    "1b": (24, 1792, 14),
+    "3b": (32, 2560, 20),
+    "4b": (36, 2816, 22),
+}
+VOCAB, SEQ, MICRO = 32000, 128, 1
+ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+ROWS = {
+    "ds-inf": ("deepspeed", None, "DeepSpeed ZeRO-Infinity"),
+    "zk-inf": ("zerokit", None, "zerokit, default host budget"),
+    "zk-inf-half": ("zerokit", "half", "zerokit, host budget = DeepSpeed RSS / 2"),
+    "zk-inf-8g": ("zerokit", 8.0, "zerokit, host budget 8 GiB"),
+}
+WORKER_ENV = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "DS_ACCELERATOR": "cpu",
+              "PYTHONUNBUFFERED": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+              "MASTER_ADDR": "127.0.0.1"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="125m,1b", help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--rows", default="ds-inf,zk-inf,zk-inf-half", help=f"of {', '.join(ROWS)}")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per row (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--nvme-dir", default=None, help="swap folder parent (default: a temporary "
+                                                     "folder on the disk holding the repository)")
+    p.add_argument("--ds-rss-gib", type=float, default=None,
+                   help="DeepSpeed's peak RSS for zk-inf-half when ds-inf is not in this run")
+    p.add_argument("--min-free-gib", type=float, default=10.0,
+                   help="refuse a row whose expected disk use leaves less free (default 10)")
+    p.add_argument("--row-timeout", type=float, default=3600.0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--budget-gib", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--swap", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def n_params(model: str) -> int:
+    layers, width, _ = MODELS[model]
+    block = 12 * width * width + 13 * width  # attention 4w^2+4w, MLP 8w^2+5w, two LayerNorms 4w
+    return layers * block + 2 * VOCAB * width + SEQ * width + 2 * width  # untied head
+
+
+def expected_disk_bytes(model: str) -> int:
+    """bf16 weights + fp32 master and two moments (+ DeepSpeed's fp32 gradient swap): 18 B/param."""
+    return 18 * n_params(model)
+
+
+# ===================================================================================== worker
+class NotAvailable(Exception):
+    pass
+
+
+def _gpt_config(model: str):
+    from zerokit.models import GPTConfig
+
+    layers, width, heads = MODELS[model]
+    # Untied head: DeepSpeed 0.19.8's NVMe parameter swapper leaks a buffer per step on a tied
+    # weight ("Not enough buffers 0 for swapping 1" at the second step).
+    return GPTConfig(n_layer=layers, n_embd=width, n_head=heads, block_size=SEQ, vocab_size=VOCAB,
+                     tie_weights=False)
+
+
+def _io_counters() -> tuple[int, int]:
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def ds_config(swap: str, model: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": dict(ADAMW)},
+        "zero_optimization": {
+            # Small tensors (LayerNorms, biases) stay in memory (DeepSpeed's default threshold),
+            # and the prefetch is one embedding's worth: DeepSpeed's parameter swapper holds one
+            # whole buffer per parameter in flight and fails when its default 5e7-element prefetch
+            # asks for more than buffer_count of them (DeepSpeed #3062).
+            "stage": 3, "sub_group_size": 100_000_000, "stage3_param_persistence_threshold": 100_000,
+            "stage3_prefetch_bucket_size": VOCAB * MODELS[model][1],
+            # and nothing kept gathered for reuse: with the default reuse distance (1e9) the
+            # weights gathered at the end of a backward hold their swap buffers into the next step.
+            "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 2 * VOCAB * MODELS[model][1],
+            # DeepSpeed's parameter swapper needs a buffer (of at least the largest parameter: the
+            # embedding) per parameter in flight; 5 (its default) runs out at the second step.
+            "offload_param": {"device": "nvme", "nvme_path": swap, "buffer_count": 16,
+                              "buffer_size": VOCAB * MODELS[model][1], "max_in_cpu": 0,
+                              "pin_memory": False},
+            # pipeline_read/write stay False (DeepSpeed's default): 0.19.8's pipelined swapper
+            # fails an assertion in swap_out_optimizer_state on the CPU accelerator.
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap, "buffer_count": 4,
+                                  "pipeline_read": False, "pipeline_write": False, "fast_init": False,
+                                  "pin_memory": False},
+        },
+        "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 1,
+                "single_submit": False, "overlap_events": True},
+        "steps_per_print": 10**9, "wall_clock_breakdown": False,
+    }
+
+
+def zk_config(swap: str, model: str, budget_gib: float | None) -> dict:
+    cfg = ds_config(swap, model)
+    cfg["zero_optimization"]["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
+    if budget_gib is not None:  # zerokit's host budget (#16 point 3), DeepSpeed style
+        cfg["zero_optimization"]["host_memory_budget_gb"] = budget_gib
+    return cfg
+
+
+def _build(lib, cfg: dict, model: str):
+    from zerokit.models import GPT
+
+    import torch
+
+    torch.manual_seed(1234)
+    with lib.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
+        return GPT(_gpt_config(model))
+
+
+def setup_deepspeed(args, rec):
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise NotAvailable(f"deepspeed not installed ({e}); run `make bench-deps`") from e
+    import logging
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise NotAvailable("DeepSpeed's async_io op cannot build here (apt-get install libaio-dev)")
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = ds_config(args.swap, args.model)
+    rec["config"] = cfg
+    model = _build(deepspeed, cfg, args.model)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def setup_zerokit(args, rec):
+    import zerokit
+
+    cfg = zk_config(args.swap, args.model, args.budget_gib)
+    rec["config"] = cfg
+    try:
+        model = _build(zerokit, cfg, args.model)
+        engine, _, _, _ = zerokit.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    except (NotImplementedError, ValueError) as e:  # a refusal (e.g. nvme not built yet) is a row note
+        raise NotAvailable(f"{type(e).__name__}: {str(e)[:300]}") from e
+    return engine
+
+
+def run_worker(args) -> int:
+    import torch
+
+    torch.set_num_threads(int(WORKER_ENV["OMP_NUM_THREADS"]))
+    family = ROWS[args.worker][0]
+    rec: dict = {"row": args.worker, "model": args.model, "status": "ok"}
+    out = Path(args.result)
+
+    def dump():
+        rec["peak_rss_mb"] = C.peak_rss_mb()
+        out.write_text(json.dumps(rec, indent=1) + "\n")
+
+    try:
+        t0 = C.now()
+        engine = setup_deepspeed(args, rec) if family == "deepspeed" else setup_zerokit(args, rec)
+        rec["setup_s"] = C.now() - t0
+        rec["rss_after_setup_mb"] = C.current_rss_mb()
+        g = torch.Generator().manual_seed(7)
+        toks = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g) for _ in range(args.warmup + args.steps)]
+        steps, reads, writes, losses = [], [], [], []
+        for i, t in enumerate(toks):
+            r0, w0 = _io_counters()
+            t0 = C.now()
+            loss = engine(t[:, :-1].contiguous(), t[:, 1:].contiguous())
+            engine.backward(loss)
+            engine.step()
+            dt = C.now() - t0
+            r1, w1 = _io_counters()
+            losses.append(float(loss.detach().float()))
+            if i >= args.warmup:
+                steps.append(dt)
+                reads.append(r1 - r0)
+                writes.append(w1 - w0)
+            print(f"step {i}: {dt:.2f} s, read {(r1 - r0) / GiB:.2f} GiB, wrote {(w1 - w0) / GiB:.2f} GiB",
+                  flush=True)
+        rec.update(step_s=steps, read_bytes=reads, write_bytes=writes, losses=losses)
+        report = getattr(engine, "memory_report", None)
+        if family == "zerokit" and report is not None:
+            rec["memory_report"] = str(report())
+        dump()
+        return 0
+    except NotAvailable as e:
+        rec.update(status="not available", reason=str(e))
+        dump()
+        return 0
+    except Exception as e:
+        rec.update(status="error", reason=f"{type(e).__name__}: {str(e)[:400]}", traceback=traceback.format_exc())
+        dump()
+        raise
+
+
+# ===================================================================================== parent
+def disk_bandwidth(folder: Path, gib: int = 2) -> dict:
+    """Sequential O_DIRECT write then read of `gib` GiB with dd (1 MiB blocks): the disk's own pace."""
+    path = folder / "dd-probe"
+    out = {}
+    for what, cmd in (("write", ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={gib * 1024}",
+                                 "oflag=direct", "conv=fsync"]),
+                      ("read", ["dd", f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"])):
+        t0 = C.now()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        dt = C.now() - t0
+        out[f"{what}_gb_s"] = gib * GiB / dt / 1e9 if proc.returncode == 0 else None
+    path.unlink(missing_ok=True)
+    return out
+
+
+def du_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> dict:
+    family, _, label = ROWS[name]
+    res = {"row": name, "model": model, "label": label, "budget_gib": budget}
+    free = shutil.disk_usage(parent).free
+    need = expected_disk_bytes(model)
+    if free - need < args.min_free_gib * GiB:
+        res.update(status="skipped", reason=f"needs ~{need / GiB:.1f} GiB on disk, {free / GiB:.1f} free "
+                                            f"(keeping {args.min_free_gib} GiB)")
+        return res
+    swap = Path(tempfile.mkdtemp(prefix=f"{name}-{model}-", dir=parent))
+    result = swap.parent / f"{swap.name}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", model,
+           "--swap", str(swap), "--result", str(result), "--steps", str(args.steps),
+           "--warmup", str(args.warmup)] + (["--budget-gib", str(budget)] if budget else [])
+    env = {**os.environ, **WORKER_ENV, "MASTER_PORT": str(29700 + len(name))}
+    log = C.RESULTS_DIR / "logs" / f"bench_infinity-{name}-{model}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    disk_peak = [0]
+    t0 = C.now()
+    try:
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=C.REPO_ROOT)
+            while proc.poll() is None:  # the swap folder's size, sampled (files grow during init)
+                disk_peak[0] = max(disk_peak[0], du_bytes(swap))
+                if C.now() - t0 > args.row_timeout:
+                    proc.kill()
+                time.sleep(2)
+        rc = proc.returncode
+    finally:
+        disk_peak[0] = max(disk_peak[0], du_bytes(swap) if swap.exists() else 0)
+        shutil.rmtree(swap, ignore_errors=True)
+    res.update(wall_s=C.now() - t0, returncode=rc, log=str(log), disk_peak_bytes=disk_peak[0])
+    rec = json.loads(result.read_text()) if result.exists() else {}
+    result.unlink(missing_ok=True)
+    res["status"] = rec.get("status", "error")
+    if res["status"] != "ok" or rc != 0:
+        res["status"] = res["status"] if res["status"] != "ok" else "error"
+        res["reason"] = rec.get("reason") or f"exit {rc}; see {log}"
+        return res
+    step = C.summarize(rec["step_s"])
+    res.update(step_s=step, peak_rss_mb=rec["peak_rss_mb"], setup_s=rec["setup_s"], losses=rec["losses"],
+               read_bytes_per_step=C.summarize(rec["read_bytes"])["median"],
+               write_bytes_per_step=C.summarize(rec["write_bytes"])["median"],
+               tokens_per_s=MICRO * SEQ / step["median"], memory_report=rec.get("memory_report"))
+    res["io_gb_s"] = (res["read_bytes_per_step"] + res["write_bytes_per_step"]) / step["median"] / 1e9
+    return res
+
+
+def report(results: list[dict]) -> str:
+    headers = ["model", "row", "s/step", "tokens/s", "vs DS", "peak RSS GiB", "disk GB", "read GB/step",
+               "write GB/step", "I/O GB/s", "note"]
+    ds = {r["model"]: r for r in results if r["row"] == "ds-inf" and r["status"] == "ok"}
+    rows = []
+    for r in results:
+        if r["status"] != "ok":
+            rows.append([r["model"], r["row"], "", "", "", "", "", "", "", "", f"{r['status']}: {r.get('reason', '')}"[:100]])
+            continue
+        peer = ds.get(r["model"])
+        rows.append([r["model"], r["row"], C.fmt_num(r["step_s"]["median"], ".2f"), C.fmt_num(r["tokens_per_s"], ".1f"),
+                     C.fmt_num(C.ratio(r["tokens_per_s"], peer["tokens_per_s"]) if peer else None, ".2f", "x"),
+                     C.fmt_num(r["peak_rss_mb"] / 1024, ".2f"), C.fmt_num(r["disk_peak_bytes"] / 1e9, ".1f"),
+                     C.fmt_num(r["read_bytes_per_step"] / 1e9, ".2f"), C.fmt_num(r["write_bytes_per_step"] / 1e9, ".2f"),
+                     C.fmt_num(r["io_gb_s"], ".2f"), f"budget {r['budget_gib']:.1f} GiB" if r["budget_gib"] else ""])
+    return C.format_table(headers, rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    models = [m for m in args.models.split(",") if m]
+    rows = [r for r in args.rows.split(",") if r]
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"--models: unknown {m!r}; choose from {', '.join(MODELS)}")
+    for r in rows:
+        if r not in ROWS:
+            raise SystemExit(f"--rows: unknown {r!r}; choose from {', '.join(ROWS)}")
+    parent = Path(args.nvme_dir or tempfile.mkdtemp(prefix="zk-bench-infinity-", dir=C.REPO_ROOT / "benchmarks" / "results"))
+    parent.mkdir(parents=True, exist_ok=True)
+    machine = C.machine_info()
+    print(f"bench_infinity: models {models}, rows {rows}; stage 3, params + optimizer on NVMe, bf16, AdamW, "
+          f"seq {SEQ}, micro-batch {MICRO}, 1 rank x {WORKER_ENV['OMP_NUM_THREADS']} threads; swap under {parent}",
+          flush=True)
+    disk = disk_bandwidth(parent)
+    print(f"disk (dd, O_DIRECT, 1 MiB blocks): write {disk['write_gb_s']:.2f} GB/s, read {disk['read_gb_s']:.2f} GB/s",
+          flush=True)
+    results: list[dict] = []
+    for model in models:
+        ds_rss = args.ds_rss_gib
+        for name in rows:
+            budget = ROWS[name][1]
+            if budget == "half":
+                budget = ds_rss / 2 if ds_rss else None
+                if budget is None:
+                    results.append({"row": name, "model": model, "status": "skipped",
+                                    "reason": "no DeepSpeed RSS to halve (run ds-inf first or --ds-rss-gib)"})
+                    continue
+            r = run_row(name, model, args, parent, budget)
+            if name == "ds-inf" and r["status"] == "ok":
+                ds_rss = r["peak_rss_mb"] / 1024
+            results.append(r)
+            msg = (f"{r['step_s']['median']:.2f} s/step, peak RSS {r['peak_rss_mb'] / 1024:.2f} GiB"
+                   if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}")
+            print(f"  {model:5s} {name:12s} {msg}", flush=True)
+    shutil.rmtree(parent, ignore_errors=True) if args.nvme_dir is None else None
+    table = report(results)
+    print()
+    print(table)
+    path = C.write_json("bench_infinity", {"benchmark": "bench_infinity", "argv": sys.argv[1:],
+                                           "setup": {"vocab": VOCAB, "seq": SEQ, "micro_batch": MICRO,
+                                                     "models": {m: {"shape": MODELS[m], "params": n_params(m)} for m in models},
+                                                     "worker_env": WORKER_ENV, "adamw": ADAMW},
+                                           "disk": disk, "machine": machine, "rows": results, "table": table}, args.out)
+    print(f"\nwrote {path}")
+    return 0 if all(r["status"] != "error" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
