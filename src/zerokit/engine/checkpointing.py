@@ -146,8 +146,8 @@ def _load_weights(engine: "Engine", fill: Fill, records: dict[str, UnitRecord]) 
     for u in engine.units:
         rec = records[u.name]
         if u.trainable:
-            for part in u.parts:
-                fill(LoadPiece(rec, "values", part.lo, part.hi, part.master.data))
+            for part in u.parts:  # master_values: a view of the part's master (a tensor or a file range)
+                fill(LoadPiece(rec, "values", part.lo, part.hi, part.master_values()))
             for host in _host_parts(u):  # compute weights follow as a host step's write-back does
                 if host.out16 is not None:
                     host.out16.copy_(host.master)
