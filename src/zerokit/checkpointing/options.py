@@ -81,16 +81,15 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     argument given. An mpu_ given once is kept by later calls that pass none (as DeepSpeed)."""
     from zerokit.checkpointing.store import STORE
 
-    if mpu_ is not None:
-        SETTINGS.mpu = mpu_
+    mpu = mpu_ if mpu_ is not None else SETTINGS.mpu
+    mp = ModelParallel.from_mpu(mpu) if mpu is not None else ModelParallel()
     opts = Options() if deepspeed_config is None else _section(deepspeed_config)
     given = {"partition_activations": partition_activations,
              "contiguous_memory_optimization": contiguous_checkpointing,
              "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
              "synchronize_checkpoint_boundary": synchronize, "profile": profile}
     opts = replace(opts, **{k: v for k, v in given.items() if v is not None}).check()
-    SETTINGS.options = opts
-    SETTINGS.mp = ModelParallel.from_mpu(SETTINGS.mpu) if SETTINGS.mpu is not None else ModelParallel()
+    SETTINGS.options, SETTINGS.mpu, SETTINGS.mp = opts, mpu, mp
     SETTINGS.configured = True
     STORE.reset()
     if not dist.is_initialized() or dist.get_rank() == 0:
