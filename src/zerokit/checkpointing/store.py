@@ -40,6 +40,7 @@ class Piece:
     device: torch.device        # where the input was, and where it is restored to
     partitioned: bool
     name: str = ""
+    ledger: Any = None                   # where `name` is counted (an engine's may replace it)
     source: torch.Tensor | None = None   # the device tensor an async host copy still reads
     event: Any = None                    # that copy's completion (CUDA)
     fetched: torch.Tensor | None = None  # the kept piece back on the device (prefetch)
@@ -67,6 +68,7 @@ class Store:
         self.pending: list[Kept] = []   # checkpoints kept in forward order, not yet restored
         self.buffers: dict[int, torch.Tensor] = {}  # input position -> contiguous slots
         self.slot: dict[int, int] = {}
+        self.buffer_ledgers: dict[int, Any] = {}  # where each buffer's bytes are counted
         self.stats = {"kept": 0, "restored": 0, "prefetched": 0}
 
     # ---- forward ------------------------------------------------------------------------------
@@ -100,8 +102,8 @@ class Store:
             piece.source, piece.event = _copy_into(piece.kept, part)
         elif piece.partitioned:
             piece.kept = part.clone()  # the narrow view would keep the whole input alive
-        piece.name = f"activation:{next(_names)}"
-        SETTINGS.ledger.hold_bytes(piece.name, "activations", tier, _nbytes(piece.kept))
+        piece.name, piece.ledger = f"activation:{next(_names)}", SETTINGS.ledger
+        piece.ledger.hold_bytes(piece.name, "activations", tier, _nbytes(piece.kept))
         return piece
 
     @staticmethod
@@ -123,6 +125,7 @@ class Store:
                               pin_memory=tier == "host" and part.is_cuda)
             self.buffers[position] = buf
             self.slot[position] = 0
+            self.buffer_ledgers[position] = SETTINGS.ledger
             SETTINGS.ledger.hold_bytes(f"activation buffer {position}", "activations", tier, _nbytes(buf))
         if buf.shape[1] != part.numel() or buf.dtype != part.dtype:
             raise ValueError(
@@ -150,7 +153,10 @@ class Store:
     def restore(self, kept: Kept) -> list[Any]:
         """The inputs as given to the checkpoint, on their devices; starts the previous
         checkpoint's fetch (see [Note: kept activations])."""
-        index = next(i for i, k in enumerate(self.pending) if k is kept)
+        index = next((i for i, k in enumerate(self.pending) if k is kept), None)
+        if index is None:
+            raise RuntimeError("zerokit.checkpointing: backward through a checkpoint whose kept "
+                               "inputs were dropped by reset() or configure() after its forward")
         self.pending.pop(index)
         if index > 0:
             self._prefetch(self.pending[index - 1])
@@ -182,7 +188,7 @@ class Store:
             here = self._gather(here, piece)
             kept.releases.append(SETTINGS.ledger.transient("activations", here, tier="device"))
         if piece.name:
-            SETTINGS.ledger.release(piece.name)
+            piece.ledger.release(piece.name)
         return here.reshape(-1)[:piece.shape.numel()].view(piece.shape)
 
     @staticmethod
@@ -204,9 +210,9 @@ class Store:
         for kept in self.pending:
             for piece in kept.pieces:
                 if piece is not None and piece.name:
-                    SETTINGS.ledger.release(piece.name)
-        for position in self.buffers:
-            SETTINGS.ledger.release(f"activation buffer {position}")
+                    piece.ledger.release(piece.name)
+        for position, ledger in self.buffer_ledgers.items():
+            ledger.release(f"activation buffer {position}")
         self.__init__()
 
 
@@ -225,8 +231,9 @@ def _copy_into(dest: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor | No
         return None, None
     from zerokit.tiers.transfer import side_stream
 
-    side = side_stream(src.device)
-    side.wait_stream(torch.cuda.current_stream(src.device))  # src was produced there
+    gpu = src.device if src.is_cuda else dest.device
+    side = side_stream(gpu)
+    side.wait_stream(torch.cuda.current_stream(gpu))  # src (or dest) was made there
     with torch.cuda.stream(side):
         dest.copy_(src, non_blocking=True)
         event = torch.cuda.Event()
