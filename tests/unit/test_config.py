@@ -79,7 +79,8 @@ def test_config_surface_is_locked() -> None:
         "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
         "communication_data_type", "steps_per_print", "wall_clock_breakdown", "comm_timeout_s",
         "checkpoint", "prescale_gradients", "gradient_predivide_factor",
-        "preemption", "nonfinite"])  # issue #19: preemption, nonfinite
+        "preemption", "nonfinite",  # issue #19: preemption, nonfinite
+        "activation_checkpointing"])  # issue #18
 
 
 # Strict types: pydantic's lax mode would turn "yes"/"on"/1 into True and "10" into 10, so a typo'd

@@ -157,7 +157,7 @@ def test_every_table_entry_is_a_deepspeed_key() -> None:
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
      "zero_optimization.zero_quantized_weights=True is refused"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_hpz_partition_size=8"),
-    ({"activation_checkpointing": {"partition_activations": True}}, "issue #18"),
+    ({"activation_checkpointing": {"contiguous_memory_optimization": True}}, "needs number_checkpoints"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "issue #16"),
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size=2 is refused"),
     ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op='sum'"),

@@ -15,7 +15,6 @@ from typing import Any, Callable
 from zerokit.config.compat import without_key
 
 ISSUE_INFINITY = "ZeRO-Infinity, issue #16"
-ISSUE_ACTIVATIONS = "Activation memory, issue #18"
 
 
 @dataclass(frozen=True)
@@ -97,10 +96,6 @@ REFUSED: dict[str, Refused] = {
         "tensor parallelism is not implemented (zerokit is data parallel only)", accepted=_at_most_one),
     "tensor_parallel.tensor_parallel.tp_size": Refused(
         "tensor parallelism is not implemented (zerokit is data parallel only)", accepted=_at_most_one),
-    # ---- not yet: the issue that implements it ------------------------------------------------
-    "activation_checkpointing": Refused(
-        "partitioned / host-offloaded activation checkpoints are not implemented yet",
-        accepted=_all_off, issue=ISSUE_ACTIVATIONS),
     # ---- removed from DeepSpeed too (its message, in short) -----------------------------------
     **{key: Refused(f"{what}: {_DS_REMOVED}") for key, what in [
         ("nebula", "Nebula checkpointing"), ("compression_training", "the compression library"),

@@ -250,6 +250,37 @@ class PreemptionConfig(_Section):
                           "save_dir, default tag, `latest` updated); none: exit without saving.")
 
 
+class ActivationCheckpointingConfig(_Section):
+    """DeepSpeed's `activation_checkpointing` section: how zerokit.checkpointing.checkpoint keeps
+    the inputs it saves for recomputation (zerokit/checkpointing/)."""
+
+    partition_activations: bool = Field(
+        False, description="Each rank of the model-parallel group (configure(mpu_)) keeps 1/N of "
+                           "a checkpointed input; the whole is all-gathered at recomputation.")
+    cpu_checkpointing: bool = Field(
+        False, description="Checkpointed inputs go to host memory as forward produces them and "
+                           "are prefetched back, in reverse order, ahead of the backward.")
+    contiguous_memory_optimization: bool = Field(
+        False, description="Checkpointed inputs live in buffers allocated once, one slot per "
+                           "checkpoint (number_checkpoints of them).")
+    number_checkpoints: Int | None = Field(
+        None, gt=0, description="Checkpoints per forward: the slots of the contiguous buffers.")
+    synchronize_checkpoint_boundary: bool = Field(
+        False, description="Synchronize the device at the start and end of every checkpoint's "
+                           "forward and backward (a no-op without one).")
+    profile: bool = Field(
+        False, description="Time every checkpoint's forward and backward; logged at debug and "
+                           "read by zerokit.checkpointing.timings().")
+
+    @model_validator(mode="after")
+    def _slots_for_contiguous(self) -> "ActivationCheckpointingConfig":
+        if self.contiguous_memory_optimization and self.number_checkpoints is None:
+            raise ValueError("activation_checkpointing.contiguous_memory_optimization=true needs "
+                             "number_checkpoints (how many checkpoints one forward makes: the "
+                             "buffers' slots)")
+        return self
+
+
 class ZeroKitConfig(_Section):
     train_batch_size: Int | None = Field(None, gt=0)
     train_micro_batch_size_per_gpu: Int | None = Field(None, gt=0)
@@ -262,6 +293,11 @@ class ZeroKitConfig(_Section):
     zero_optimization: ZeroConfig = ZeroConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     preemption: PreemptionConfig = PreemptionConfig()
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        ActivationCheckpointingConfig(), description="zerokit.checkpointing.checkpoint's options "
+        "(partition_activations, cpu_checkpointing, contiguous_memory_optimization, "
+        "number_checkpoints, synchronize_checkpoint_boundary, profile), as DeepSpeed; initialize "
+        "applies them as deepspeed.checkpointing.configure(deepspeed_config=...) does.")
     nonfinite: Literal["skip", "stop"] = Field(
         "skip", description="zerokit, bf16 and fp32: a step whose loss or gradient norm is not "
                             "finite is reported (step, first unit) and skipped, counted in "

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.config import load_config, resolve_auto
+from zerokit.config.schema import ZeroKitConfig
 from zerokit.config.plan import report_startup
 from zerokit.core.collectives import Comm
 from zerokit.core.devices import model_device_of
@@ -98,10 +99,22 @@ def initialize(model: nn.Module, optimizer: Any = None,
     if policy.shard_weights:
         attach_ds_views(model, units)  # see [Note: ds_* views]
     engine.placement = placement
+    _configure_activation_checkpointing(cfg, ledger)
     report_startup(engine)
     dataloader = _dataloader(training_data, batch[1], comm, collate_fn)
     engine.training_dataloader = dataloader
     return engine, torch_optimizer, dataloader, scheduler
+
+
+def _configure_activation_checkpointing(cfg: ZeroKitConfig, ledger: Ledger) -> None:
+    """zerokit.checkpointing counts kept activations in this engine's ledger, and takes the
+    config's activation_checkpointing section where it has one (DeepSpeed's engine does the
+    same); a configure() the user made stays otherwise."""
+    from zerokit import checkpointing
+
+    checkpointing.use_ledger(ledger)
+    if "activation_checkpointing" in cfg.model_fields_set:
+        checkpointing.configure(None, deepspeed_config=cfg)
 
 
 def _layouts(groups: list, comm: Comm, policy: PartitionPolicy, dtype: torch.dtype,

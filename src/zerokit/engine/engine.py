@@ -131,13 +131,17 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         if self.training_state is TrainingState.BACKWARD:  # a forward inside backward: recompute
             self._move(TrainingState.RECOMPUTE)
             self._recomputing = module
+        # A recomputed forward is part of the backward's schedule, not a second forward.
+        use = (self.scheduler.use_in_backward if self.training_state is TrainingState.RECOMPUTE
+               else self.scheduler.use)
         for u in units:
-            self.scheduler.use(u)
+            use(u)
 
     def _after_forward(self, units: list[Unit], module: nn.Module, _args: Any, output: Any) -> None:
+        recompute = self.training_state is TrainingState.RECOMPUTE
         for u in units:
-            self.scheduler.after_forward(u, output)
-        if self.training_state is TrainingState.RECOMPUTE and module is self._recomputing:
+            (self.scheduler.after_recompute if recompute else self.scheduler.after_forward)(u, output)
+        if recompute and module is self._recomputing:
             self._move(TrainingState.BACKWARD)
             self._recomputing = None
 

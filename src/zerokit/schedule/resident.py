@@ -16,7 +16,13 @@ class ResidentSchedule:
     def use(self, unit: Unit) -> None:
         unit.wait_weights()
 
+    def use_in_backward(self, unit: Unit) -> None:
+        unit.wait_weights()
+
     def after_forward(self, unit: Unit, output: Any) -> Any:
+        return output
+
+    def after_recompute(self, unit: Unit, output: Any) -> Any:
         return output
 
     def after_backward(self, unit: Unit) -> None:

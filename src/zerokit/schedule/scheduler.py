@@ -38,6 +38,7 @@ class Stage3Scheduler:
         self._recording: list[Unit] = []
         self._pos = 0
         self._following = False          # the current iteration matches `trace` so far
+        self._in_backward: set[Unit] = set()  # used by this backward, gradients not all produced
         self.stats = {"uses": 0, "prefetched": 0, "recorded": 0}  # read by tests and reports
 
     # ---- events (called by the engine's hooks) -------------------------------------------------
@@ -59,6 +60,23 @@ class Stage3Scheduler:
             self._prefetch()
         unit.wait_weights()
 
+    def use_in_backward(self, unit: Unit) -> None:
+        """Before a unit's backward, or before its forward is recomputed inside backward
+        (activation checkpointing): one use per backward of the unit. A recomputation and the
+        gradient hook of the same backward share it, so the order recorded and the gathers are
+        those of a run without checkpointing, and the prefetch follows the backward order."""
+        if unit in self._in_backward:
+            unit.gather()  # gathered since its first use in this backward: nothing to start
+            unit.wait_weights()
+            return
+        self._in_backward.add(unit)
+        self.use(unit)
+
+    def after_recompute(self, unit: Unit, output: Any) -> Any:
+        """A recomputed forward returned: its backward runs next, so the unit stays gathered
+        until after_backward (releasing it here would gather it a second time)."""
+        return output
+
     def after_forward(self, unit: Unit, output: Any) -> Any:
         """Arrange the pre-backward gather, and release now unless the unit is used again soon."""
         if torch.is_grad_enabled():
@@ -71,9 +89,11 @@ class Stage3Scheduler:
 
     def after_backward(self, unit: Unit) -> None:
         """All of the unit's gradients were produced (and handed to the reduction)."""
+        self._in_backward.discard(unit)
         unit.release()
 
     def end_backward(self) -> None:
+        self._in_backward.clear()
         for u in self.units:
             u.release()
         self._finish_iteration()
@@ -87,8 +107,8 @@ class Stage3Scheduler:
     # ---- internals ------------------------------------------------------------------------------
     def _pre_backward_hook(self, unit: Unit):
         def hook(grad: torch.Tensor) -> None:
-            if unit.state is not WeightState.GATHERED:
-                self.use(unit)
+            if unit.state is not WeightState.GATHERED or unit not in self._in_backward:
+                self.use_in_backward(unit)
         return hook
 
     def _finish_iteration(self) -> None:

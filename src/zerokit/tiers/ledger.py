@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 TIERS = ("device", "host", "nvme")
-KINDS = ("weights", "grads", "master", "optimizer_state", "buffers")
+KINDS = ("weights", "grads", "master", "optimizer_state", "buffers", "activations")
 
 
 def tier_of(t: torch.Tensor) -> str:

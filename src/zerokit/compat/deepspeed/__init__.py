@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from zerokit.compat.deepspeed import accelerator, checkpoint, comm, compression, moe, ops, runtime, utils
+from zerokit.compat.deepspeed import (accelerator, checkpoint, checkpointing, comm, compression, moe, ops,
+                                      runtime, utils)
 from zerokit.compat.deepspeed.accelerator import get_accelerator
 from zerokit.compat.deepspeed.comm import init_distributed
 from zerokit.compat.deepspeed.runtime import zero
@@ -25,7 +26,7 @@ __git_branch__ = None
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 __all__ = ["DEEPSPEED_API_VERSION", "DeepSpeedEngine", "__version__", "accelerator", "add_config_arguments",
-           "checkpoint", "comm", "compression", "get_accelerator", "init_distributed", "initialize", "logger",
+           "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "init_distributed", "initialize", "logger",
            "moe", "ops", "runtime", "utils", "zero"]
 
 
