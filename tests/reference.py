@@ -91,6 +91,8 @@ def engine_train(engine, batches, rank: int, world: int, gas: int = 1,
         step_loss = 0.0
         for micro in range(gas):
             x, y = rank_micro_batch(batch, rank, world, micro, gas)
+            # The batch goes where the engine computes, as a user's loop puts it (CUDA runs).
+            x, y = x.to(engine.device), y.to(engine.device)
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()

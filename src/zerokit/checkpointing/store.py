@@ -177,7 +177,11 @@ class Store:
 
     def _whole(self, piece: Piece, kept: Kept) -> torch.Tensor:
         here = piece.kept
-        if piece.tier == "host" or piece.event is not None:
+        if piece.tier == "device" and piece.event is not None:
+            # A device slot (contiguous buffer) filled on the side stream: wait for that copy and
+            # read the slot; fetching would hand back the source, alive beside its slot.
+            torch.cuda.current_stream(piece.device).wait_event(piece.event)
+        elif piece.tier == "host" or piece.event is not None:
             if piece.fetched is None:
                 piece.fetched, piece.fetch_event = _fetch(piece)
             if piece.fetch_event is not None:
