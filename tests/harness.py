@@ -26,6 +26,9 @@ class WorldFailed(AssertionError):
 
 def _entry(fn: Callable, rank: int, world_size: int, store_path: str, comm_timeout: float,
            queue: Any, args: tuple, kwargs: dict) -> None:
+    # These are CPU worlds (gloo): on a machine with a GPU, zerokit would otherwise choose it
+    # for a launcher-less rank while the test feeds CPU batches and compares with a CPU reference.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     os.environ["ZEROKIT_TEST_RANK"] = str(rank)
     try:
