@@ -4,8 +4,7 @@ The ledger's numbers are therefore the bytes the tiers allocated, not a second c
 a plan, the start-up report, a budget and a test all read what was allocated. `DeviceTier` holds
 the compute device's memory (the CPU itself on a CPU-only run, which the ledger still calls
 "device"), `HostTier` host memory, page-locked where a buffer crosses to a CUDA device. The NVMe
-tier (files through io/aio.py) implements the same three operations when ZeRO-Infinity enters
-the engine.
+tier (tiers/nvme.py: file ranges through io/aio.py) implements the same three operations.
 
 Copies return a `CopyHandle`: on CUDA the copy runs on the side stream (tiers/transfer.py) and
 `wait()` orders the current stream after it; elsewhere it is a synchronous copy and `wait()` is
