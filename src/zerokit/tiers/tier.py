@@ -91,6 +91,10 @@ class HostTier(Tier):
         return torch.empty(numel, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
 
 
-def tiers_for(ledger: Ledger, device: torch.device) -> dict[str, Tier]:
-    """The tiers a unit on `device` allocates from, by name (the nvme tier joins with Infinity)."""
-    return {"device": DeviceTier(ledger, device), "host": HostTier(ledger)}
+def tiers_for(ledger: Ledger, device: torch.device, nvme=None) -> dict:
+    """The tiers a unit on `device` allocates from, by name; `nvme` (a tiers/nvme.py NvmeTier,
+    shared by every unit of the engine) where the placement puts anything on NVMe."""
+    tiers = {"device": DeviceTier(ledger, device), "host": HostTier(ledger)}
+    if nvme is not None:
+        tiers["nvme"] = nvme
+    return tiers
