@@ -115,6 +115,7 @@ def test_host_budget_splits_and_reports(tmp_path):
         assert run["nvme_bytes"] == 12 * run["nvme_numel"]  # fp32 master + two Adam moments
         assert run["io"]["bytes_read"] == run["io"]["bytes_written"] == 12 * run["nvme_numel"]
         assert "nvme I/O, last step" in run["report"] and "GB/s" in run["report"]
+        assert run["io"]["io_s"] > 0 and run["io"]["gb_per_s"] > 0 and run["io"]["wait_s"] >= 0
 
 
 def test_startup_plan_names_nvme(tmp_path, caplog):

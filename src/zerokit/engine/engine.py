@@ -461,7 +461,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def nvme_io(self) -> dict:
         """The last step's NVMe I/O (bytes read / written, GB/s, seconds waited), {} without."""
-        return next((e.last_io for e in self.executors if hasattr(e, "last_io")), {})
+        return self.ledger.io("nvme")
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

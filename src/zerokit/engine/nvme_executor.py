@@ -140,6 +140,7 @@ class NvmeExecutor:
         report = self.nvme.stats.snapshot()
         report["step_s"] = time.perf_counter() - start
         self.last_io = report
+        self.ledger.record_io("nvme", report)
         self.steps_io.append(report)
         self._stepped = todo
         self._move(ExecutorState.WRITE_BACK_PENDING)
