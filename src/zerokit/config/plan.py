@@ -9,11 +9,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from zerokit.config.ignored import format_ignored, ignored_settings
-from zerokit.engine.optimizer import STATE_BYTES_PER_ELEMENT
 from zerokit.utils.logs import log
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # described through its public attributes; importing this imports no engine
     from zerokit.engine.engine import Engine
+
+# Bytes of optimizer state per master element, for the start-up plan (before state exists).
+STATE_BYTES_PER_ELEMENT = {"Adam": 8, "AdamW": 8, "SGD": 4, "Adagrad": 4, "HostLion": 4, "Lion": 4,
+                           "HostAdam": 8, "HostAdagrad": 4}
 
 
 def _mib(n: float) -> str:

@@ -60,6 +60,7 @@ import torch.nn as nn
 
 from zerokit.core.collectives import Comm, Handle
 from zerokit.core.layout import ALIGN, UnitLayout, plan_layout
+from zerokit.core.lease import ReadLease
 from zerokit.core.nvme_part import NvmePart, fill_range, host_buffer
 from zerokit.core.parts import DevicePart, HostPart
 from zerokit.core.states import WeightState, move
@@ -152,6 +153,7 @@ class Unit:
         self.index = -1  # position in the engine's unit list; set by the engine
         self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
         self.reduce_at_end = False  # holds a leaf module: reduced at end of backward ([Note: leaf modules])
+        self.lease = ReadLease()  # readers of this unit's state in flight; its engine's, shared (core/lease.py)
 
     # ---- construction -----------------------------------------------------------------------
     def _allocate(self, tiers: dict) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from zerokit.engine.optimizer import STATE_BYTES_PER_ELEMENT
+from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
 from zerokit.policy import PlacementPolicy
 
 GiB = 1 << 30
