@@ -102,8 +102,11 @@ class PlacementPolicy:
                 f"Twin-Flow: {self.ratio:.3g} of each optimizer shard on the host, "
                 f"{1 - self.ratio:.3g} on the device, stepped at the same time")
         if self.nvme:
-            what += (f"; ZeRO-Infinity: master + optimizer state on NVMe, streamed in sub-groups "
-                     f"(up to {self.ram_numel} elements per rank kept in host memory)")
+            share = "all" if self.ratio >= 1.0 else f"{self.ratio:.3g}"
+            what = (f"ZeRO-Infinity: master + optimizer state of {share} of each "
+                    f"optimizer shard on NVMe (gradients in host memory), streamed in sub-groups "
+                    f"through the host kernel; up to {self.ram_numel:,} elements per rank kept "
+                    f"in host memory (offload_optimizer.max_in_cpu)")
         if self.auto_reason:
             what += f" (auto: {self.auto_reason})"
         if self.delayed:
