@@ -222,3 +222,42 @@ def test_nvme_checkpoint_resume_is_exact(tmp_path, stage, dtype, world):
         for a, b in run_world(_resume, world, save, load, str(tmp_path / f"ckpt{i}"),
                               async_save=i == 0):
             _exact(a, b)
+
+
+def _train_edit(rank, world, cfg):
+    """Two steps, an edit of one weight under GatheredParameters (modifier rank 0), two steps."""
+    import zerokit
+    from zerokit.zero import GatheredParameters
+
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    batches = global_batches(4, MICRO * world)
+    engine_train(engine, batches[:2], rank, world)
+    weight = engine.module.transformer.h[0].mlp.c_fc.weight
+    with GatheredParameters([weight], modifier_rank=0):
+        if rank == 0:
+            weight.data.mul_(0.5)
+    engine_train(engine, batches[2:], rank, world)
+    out = engine.consolidated_fp32_state_dict()
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("opt,stream", [
+    ("Adagrad", {"buffer_count": 2, "pipeline_read": False, "pipeline_write": False}),
+    ("Lion", {"buffer_count": 2, "pipeline_read": True, "pipeline_write": False}),
+    ("AdamW", {"buffer_count": 5, "pipeline_read": False, "pipeline_write": True}),
+])
+def test_other_kernels_and_stream_settings(tmp_path, opt, stream):
+    """Adagrad (a non-zero initial accumulator written into its state file), Lion, and every
+    pipeline setting give cpu offload's weights; so does an edit under GatheredParameters."""
+    params = {"Adagrad": {"lr": 1e-2, "initial_accumulator_value": 0.1},
+              "Lion": {"lr": 1e-4, "weight_decay": 0.1}, "AdamW": {"lr": 1e-3}}[opt]
+    configs = []
+    for device in ("cpu", "nvme"):
+        cfg = _config(3, "bf16", "AdamW", device, str(tmp_path), sub_group=777,
+                      extra=stream if device == "nvme" else None)
+        cfg["optimizer"] = {"type": opt, "params": params}
+        configs.append(cfg)
+    cpu, nvme = (run_world(_train_edit, 2, cfg) for cfg in configs)
+    for r in range(2):
+        _exact(nvme[r], cpu[r])
