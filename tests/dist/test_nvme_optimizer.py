@@ -164,9 +164,10 @@ def test_bad_nvme_path_refused(tmp_path):
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        cases = [(missing, "does not exist"), (str(afile), "is not a directory")]
-        if os.geteuid() != 0:  # root writes anywhere
-            cases.append((str(ro), "is not writable"))
+        # root writes into a mode-0500 directory: there, /proc stands for a read-only one
+        unwritable = str(ro) if os.geteuid() != 0 else "/proc"
+        cases = [(missing, "does not exist"), (str(afile), "is not a directory"),
+                 (unwritable, "is not writable")]
         for path, text in cases:
             msg = run_world(_init_error, 1, _config(2, "fp32", "AdamW", "nvme", path))[0]
             assert text in msg and path in msg, msg
