@@ -61,7 +61,6 @@ import torch.nn as nn
 from zerokit.core.collectives import Comm, Handle
 from zerokit.core.layout import ALIGN, UnitLayout, plan_layout
 from zerokit.core.lease import ReadLease
-from zerokit.core.nvme_part import NvmePart, fill_range, host_buffer
 from zerokit.core.parts import DevicePart, HostPart
 from zerokit.core.states import WeightState, move
 from zerokit.policy import PartitionPolicy, PlacementPolicy
@@ -172,6 +171,8 @@ class Unit:
         flat = bufs["weights"]
         for r in self.layout.records:  # masters from the parameters, before they point into flat
             if r.kind == "master" and r.alias_of is None and r.tier == "nvme":
+                from zerokit.core.nvme_part import fill_range, host_buffer  # the I/O engine: only with NVMe
+
                 staged = host_buffer(r.numel)  # one part's master in RAM, then to its file
                 self._copy_param_values(staged, r.lo, r.hi)
                 fill_range(tiers["nvme"], bufs[r.name], staged)
@@ -208,6 +209,8 @@ class Unit:
                                        pinned=self.layout.record("host_master").pinned))
         nvme = next((p for p in self.layout.parts if p.tier == "nvme"), None)
         if nvme is not None:
+            from zerokit.core.nvme_part import NvmePart
+
             self.parts.append(NvmePart(self, nvme, bufs, tiers["host"], tiers["nvme"],
                                        home[nvme.lo - home_lo:nvme.hi - home_lo],
                                        pinned=self.layout.record("nvme_out").pinned))

@@ -26,7 +26,8 @@ from zerokit.engine.optimizer import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.schedulers import build_scheduler
 from zerokit.policy import PartitionPolicy, PlacementPolicy
-from zerokit.tiers import Ledger, NvmeTier
+from zerokit.tiers import Ledger
+from zerokit.tiers.nvme import NvmeTier
 from zerokit.utils.logs import configure_logging
 from zerokit.zero import adopt_constructed, retire_constructed
 
