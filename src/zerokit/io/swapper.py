@@ -224,10 +224,12 @@ class TensorSwapper:
             for start, chunk in self.stream_in(key):
                 flat[start:start + chunk.numel()].copy_(chunk)
             return out
+        read_into_out = False  # the bytes land in `out` itself: nothing to copy afterwards
         if pf is not None:
             buf, h = pf
         elif out is not None and out.device.type == "cpu" and out.is_contiguous():
             buf, h = out.view(-1).view(torch.uint8) if e.nbytes else out.view(-1), None
+            read_into_out = True
             if e.nbytes:
                 h = self._read(key, e, buf)
         else:
@@ -245,7 +247,7 @@ class TensorSwapper:
                 self.pool.release(buf)
                 return result
             return self._typed(e, buf)
-        if buf.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+        if not read_into_out:
             out.copy_(self._typed(e, buf).view(out.shape))
             self._release((buf, h))
         return out
