@@ -8,8 +8,8 @@ part empty. Each part holds its fp32 master and master gradient (from the unit's
 and offers the same operations: gradients in (`take_grad`), their norm, clearing, an edit of the
 compute weights (`absorb`), and its new weights out to the weights' home (`write_weights`). An
 executor (engine/executors.py) steps the parts of its tier: torch's optimizer the device parts,
-the native kernel the host parts. The NVMe executor will step parts whose master and state are
-file ranges.
+the native kernel the host parts, the streaming NVMe executor the nvme parts (core/nvme_part.py:
+master and state are file ranges).
 """
 from __future__ import annotations
 

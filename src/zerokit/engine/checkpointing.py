@@ -25,19 +25,27 @@ weights in use, and a write-back of the master due at the next step. So resuming
 stopping, bit for bit. A load into an engine without the delayed update (offload or not) takes
 the master, the newest weights, and the weights in use are not read: that engine's math has no
 stale weights to continue with.
+
+[Note: nvme parts in checkpoints] An nvme part's master and optimizer state are files (tiers/nvme.py
+`FileRange`): they are saved as file-range segments, copied file to file, and loaded into as
+file-range targets, never whole in host memory. Its step count is kept as a host part's. Pieces
+and names are the same as for the other tiers, so checkpoints move freely between device, cpu and
+nvme placements.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerokit.checkpoint.interface import (Fill, HostRecord, LoadPiece, ParamRecord, SavedOptimizer, SavePiece,
+from zerokit.checkpoint.interface import (FileRange, Fill, HostRecord, LoadPiece, ParamRecord, SavedOptimizer, SavePiece,
                                           SaveState, UnitRecord)
 from zerokit.checkpoint.metadata import IN_USE
 from zerokit.core.states import WeightState
+from zerokit.tiers.nvme import FileRange as NvmeRange
 
 if TYPE_CHECKING:
     from zerokit.core.unit import Unit
@@ -73,11 +81,13 @@ def state_to_save(engine: "Engine") -> SaveState:
             pieces.append(SavePiece(f"{u.name}/weights", (weights,)))
             continue
         a = u.opt_range[0]
-        pieces.append(SavePiece(f"{u.name}/master", cut([p.master_values() for p in u.parts], lo - a, hi - a)))
+        pieces.append(SavePiece(f"{u.name}/master", cut([_saved(p.master) if p.tier == "nvme" else
+                                                          p.master_values() for p in u.parts],
+                                                         lo - a, hi - a)))
         state = engine.optimizer.state.get(u.master, {})
         keys = optim_keys[u.name] = state_keys(u, state)
         for k in keys:
-            parts = [state[k] if p.tier == "device" else p.state[k] for p in u.parts]
+            parts = [state[k] if p.tier == "device" else _saved(p.state[k]) for p in u.parts]
             pieces.append(SavePiece(f"{u.name}/optim.{k}", cut(parts, lo - a, hi - a)))
         scalars[u.name] = copy.deepcopy({k: v for k, v in state.items() if k not in keys})
         if in_use and u.host_numel > 0:
@@ -90,7 +100,21 @@ def state_to_save(engine: "Engine") -> SaveState:
 
 
 def _host_parts(u: "Unit") -> list:
-    return [p for p in u.parts if p.tier == "host"]
+    """The parts the host kernel steps: in host memory, or streamed from NVMe."""
+    return [p for p in u.parts if p.tier in ("host", "nvme")]
+
+
+def _saved(t):
+    """A segment or load target: an nvme tier's file range as the checkpoint's FileRange."""
+    if isinstance(t, NvmeRange):
+        return FileRange(t.path, t.offset, t.numel, t.dtype)
+    return t
+
+
+def _narrow(t, a: int, b: int):
+    if isinstance(t, FileRange):
+        return dataclasses.replace(t, offset=t.offset + a * t.element_size(), count=b - a)
+    return t[a:b]
 
 
 def state_keys(u: "Unit", state: dict) -> list[str]:
@@ -110,9 +134,9 @@ def cut(parts: list[torch.Tensor], lo: int, hi: int) -> tuple[torch.Tensor, ...]
     for p in parts:
         a, b = max(lo, start), min(hi, start + p.numel())
         if a < b:
-            out.append(p[a - start:b - start])
+            out.append(_narrow(p, a - start, b - start))
         start += p.numel()
-    return tuple(out) or (parts[0][:0],)
+    return tuple(out) or (_narrow(parts[0], 0, 0),)
 
 
 def training_scalars(engine: "Engine") -> dict[str, Any]:
@@ -146,11 +170,12 @@ def _load_weights(engine: "Engine", fill: Fill, records: dict[str, UnitRecord]) 
     for u in engine.units:
         rec = records[u.name]
         if u.trainable:
-            for part in u.parts:  # master_values: a view of the part's master (a tensor or a file range)
-                fill(LoadPiece(rec, "values", part.lo, part.hi, part.master_values()))
+            for part in u.parts:
+                target = _saved(part.master) if part.tier == "nvme" else part.master.data
+                fill(LoadPiece(rec, "values", part.lo, part.hi, target))
             for host in _host_parts(u):  # compute weights follow as a host step's write-back does
                 if host.out16 is not None:
-                    host.out16.copy_(host.master)
+                    host.out16.copy_(host.master_values())
                 host.write_weights()
                 if host.pin:
                     torch.cuda.current_stream().synchronize()
@@ -202,7 +227,10 @@ def _load_host_state(fill: Fill, rec: UnitRecord, u: "Unit", host, unit) -> None
     """A host part's optimizer state and step count (see [Note: host step counts])."""
     if not unit.keys:  # saved before any step: a fresh optimizer's state
         for t in host.state.values():
-            t.zero_()
+            if isinstance(t, NvmeRange):
+                host.nvme.write(t, torch.zeros(t.numel, dtype=t.dtype)).wait()
+            else:
+                t.zero_()
         host.steps = 0
         return
     if sorted(host.state) != sorted(unit.keys):
@@ -210,7 +238,7 @@ def _load_host_state(fill: Fill, rec: UnitRecord, u: "Unit", host, unit) -> None
                          f"host optimizer keeps {sorted(host.state)}; load with the same optimizer type "
                          f"or pass load_optimizer_states=False")
     for key in unit.keys:
-        fill(LoadPiece(rec, f"optim.{key}", host.lo, host.hi, host.state[key], zero_rest=True))
+        fill(LoadPiece(rec, f"optim.{key}", host.lo, host.hi, _saved(host.state[key]), zero_rest=True))
     if unit.host_steps is not None:
         host.steps = unit.host_steps
     else:  # saved without offload: torch's count of the same updates

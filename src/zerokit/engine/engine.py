@@ -477,7 +477,18 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return self.loss_scaler.scale
 
     def memory_report(self, peak: bool = False) -> str:
-        return self.ledger.format(f"memory on rank {self.comm.rank} ({'peak' if peak else 'now'})", peak)
+        text = self.ledger.format(f"memory on rank {self.comm.rank} ({'peak' if peak else 'now'})", peak)
+        io = self.nvme_io()
+        if io:  # ZeRO-Infinity: the last step's optimizer stream (engine/nvme_executor.py)
+            text += (f"\nnvme I/O, last step: read {io['bytes_read'] / 2**20:.2f} MiB, wrote "
+                     f"{io['bytes_written'] / 2**20:.2f} MiB, {io['gb_per_s']:.2f} GB/s over "
+                     f"{io['io_s']:.3f} s, step waited {io['wait_s']:.3f} s on I/O "
+                     f"(optimizer stream {io['step_s']:.3f} s)")
+        return text
+
+    def nvme_io(self) -> dict:
+        """The last step's NVMe I/O (bytes read / written, GB/s, seconds waited), {} without."""
+        return self.ledger.io("nvme")
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
