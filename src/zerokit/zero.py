@@ -13,6 +13,7 @@ from zerokit.core.leaf import get_leaf_modules, set_leaf_modules, unset_leaf_mod
 from zerokit.core.unit import Unit, WeightState, unit_of
 from zerokit.policy import PlacementPolicy
 from zerokit.pretrained import LoadReport, load_pretrained_sharded  # noqa: F401  (public here)
+from zerokit.tiling import TiledEmbedding, TiledLinear, TiledLinearReturnBias  # noqa: F401  (public here)
 
 # DeepSpeed's names (deepspeed.utils.set_z3_leaf_modules ...): see [Note: leaf modules].
 set_z3_leaf_modules, unset_z3_leaf_modules, get_z3_leaf_modules = (
