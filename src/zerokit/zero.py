@@ -61,8 +61,8 @@ class GatheredParameters:
             return
         try:
             if self.modifier_rank is not None and exc[0] is None:
-                from zerokit.checkpoint import settle_checkpoint
-                settle_checkpoint()  # the edits reach the shards an async save may be writing
+                for u in self.units:  # the edits reach the shards an async save may be writing
+                    u.lease.settle()
                 for u in self.units:
                     u.comm.broadcast_(u.flat, src=self.modifier_rank, where=f"unit '{u.name}' (edit)")
                     u.absorb_edits()

@@ -79,7 +79,25 @@ def test_config_surface_is_locked() -> None:
         "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
         "communication_data_type", "steps_per_print", "wall_clock_breakdown", "comm_timeout_s",
         "checkpoint", "prescale_gradients", "gradient_predivide_factor",
-        "preemption", "nonfinite"])  # issue #19: preemption, nonfinite
+        "preemption", "nonfinite",  # issue #19: preemption, nonfinite
+        "aio"])  # issue #16: the I/O engine of offload_optimizer device 'nvme'
+
+
+def test_nvme_optimizer_keys_surface() -> None:
+    """offload_optimizer's nvme keys and the aio section: every DeepSpeed key declared."""
+    from zerokit.config.schema import AioSection, OffloadOptimizerConfig
+
+    assert {"nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init",
+            "max_in_cpu"} <= set(OffloadOptimizerConfig.model_fields)
+    assert sorted(AioSection.model_fields) == sorted([
+        "block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit",
+        "overlap_events", "use_gds"])
+    cfg = load_config({**BASE, "aio": {"block_size": 65536, "intra_op_parallelism": 3,
+                                       "thread_count": 2}})
+    engine = cfg.aio.engine_config()
+    assert (engine.block_size, engine.thread_count) == (65536, 3)
+    with pytest.raises(ConfigError, match="use_gds"):
+        load_config({**BASE, "aio": {"use_gds": True}})
 
 
 # Strict types: pydantic's lax mode would turn "yes"/"on"/1 into True and "10" into 10, so a typo'd

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from zerokit.checkpoint.load import IncompleteCheckpointError, load_checkpoint
 from zerokit.checkpoint.save import save_checkpoint, settle_checkpoint, wait_for_checkpoint
+from zerokit.checkpoint.interface import Checkpointable, FileRange, LoadPiece, SavePiece
 from zerokit.checkpoint.storage import CheckpointWriteError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "settle_checkpoint", "IncompleteCheckpointError",
-           "CheckpointWriteError"]
+           "CheckpointWriteError", "Checkpointable", "FileRange", "LoadPiece", "SavePiece"]

@@ -2,7 +2,9 @@
 
 Each rank reads only the element ranges it now owns (its optimizer range; the whole unit where the
 weights are replicated and the unit has no master), from whichever saved ranks' files hold them:
-see [Note: checkpoint layout]. The saved world size, stage and dtype need not match.
+see [Note: checkpoint layout]. The saved world size, stage and dtype need not match. The engine
+decides what to load into and in which order (`engine.restore_state`, [Note: checkpoint
+interface]); this module answers each `LoadPiece` from the saved files.
 """
 from __future__ import annotations
 
@@ -11,21 +13,17 @@ import logging
 import os
 import random
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from zerokit.checkpoint.interface import (Checkpointable, FileRange, LoadPiece, SavedOptimizer, SavedUnitOptimizer,
+                                          UnitRecord)
 from zerokit.checkpoint.metadata import COMMON, FORMAT, META, Layout, check_names, overlaps, rank_file, shard_file
-from zerokit.checkpoint.offload_state import (drop_own_pending_update, host_parts, load_host_state,
-                                              load_master, restore_pipeline)
 from zerokit.checkpoint.save import LATEST, _sampler, persistent_buffers, wait_for_checkpoint
 from zerokit.checkpoint.storage import ShardFile
 from zerokit.checkpoint.verify import check_shard_files
-from zerokit.core.unit import WeightState
-
-if TYPE_CHECKING:
-    from zerokit.engine.engine import Engine
 
 log = logging.getLogger("zerokit")
 
@@ -108,14 +106,17 @@ class SavedTensors:
                 f = self.files[piece.rank] = ShardFile(os.path.join(self.path, shard_file(piece.rank)))
             f.read_range(piece.tensor, piece.lo, piece.hi, out[piece.dst_lo:piece.dst_hi])
 
-    def fill(self, unit, kind: str, a: int, b: int, out: torch.Tensor, names: set[str],
+    def fill(self, unit: UnitRecord, kind: str, a: int, b: int, out: "torch.Tensor | FileRange", names: set[str],
              zero_rest: bool = False) -> None:
         """out[i] = element a + i of the unit's flat layout, from the saved `kind`. Elements no
         loaded parameter covers (padding, parameters the checkpoint lacks) keep their value, or
-        become 0 with zero_rest."""
-        staging = out if out.device.type == "cpu" and out.is_contiguous() else out.detach().cpu()
+        become 0 with zero_rest. `out` is a tensor, or a file range (read, filled, written back)."""
+        if isinstance(out, FileRange):
+            staging = out.read()
+        else:
+            staging = out if out.device.type == "cpu" and out.is_contiguous() else out.detach().cpu()
         done = 0
-        for s, lo, hi in overlaps(unit.slots, a, b):
+        for s, lo, hi in overlaps(unit.params, a, b):
             if s.fqn in names:
                 dst = s.offset + lo - a
                 if zero_rest and dst > done:
@@ -124,44 +125,80 @@ class SavedTensors:
                 done = dst + hi - lo
         if zero_rest and done < b - a:
             staging[done:].zero_()
-        if staging is not out:
+        if isinstance(out, FileRange):
+            out.write(staging)
+        elif staging is not out:
             out.copy_(staging)
+
+    def filler(self, names: set[str]):
+        """The `fill` an engine's restore_state calls for each piece (names: parameters to load)."""
+        def fill(piece: LoadPiece) -> None:
+            self.fill(piece.unit, piece.kind, piece.lo, piece.hi, piece.target, names, piece.zero_rest)
+        return fill
 
     def close(self) -> None:
         for f in self.files.values():
             f.close()
 
 
-def load_checkpoint(engine: "Engine", load_dir: str, tag: Any = None, load_module_strict: bool = True,
+def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
     """Collective. Returns (tag directory, client_state), or (None, None) if there is no `latest`."""
     wait_for_checkpoint(engine)
     engine.comm.barrier("load_checkpoint (previous saves committed)")
-    opened = _open_on_every_rank(engine, load_dir, tag, load_module_strict)
+    units = engine.checkpoint_units()
+    opened = _open_on_every_rank(engine, units, load_dir, tag, load_module_strict)
     if opened is None:
         log.warning("no 'latest' file in %s: nothing loaded (pass tag= to load a specific one)", load_dir)
         return None, None
     path, layout, names, common, saved = opened
-    engine.wait_for_weights()
-    drop_own_pending_update(engine)
+    optimizer = None
     try:
-        with torch.no_grad():
-            _load_weights(engine, saved, names)
-            if load_optimizer_states and not load_module_only:
-                _load_optimizer(engine, saved, layout, names, common)
-                restore_pipeline(engine, saved, names, common.get("offload"), common["counters"])
+        if load_optimizer_states and not load_module_only:
+            optimizer = saved_optimizer(layout, units, names, common)
+        engine.restore_state(saved.filler(names), optimizer)
     finally:
         saved.close()
-    engine.wait_for_weights()
     _load_buffers(engine, common["buffers"], load_module_strict)
     if not load_module_only:
-        _load_training_state(engine, common, path, load_optimizer_states, load_lr_scheduler_states)
+        engine.restore_training_scalars(common, optimizer=load_optimizer_states,
+                                        lr_scheduler=load_lr_scheduler_states)
+        _load_rank_state(engine, path)
     engine.comm.barrier("load_checkpoint")
     return path, common["client_state"]
 
 
-def _open_on_every_rank(engine: "Engine", load_dir: str, tag: Any, strict: bool):
+def saved_optimizer(layout: Layout, units: list[UnitRecord], names: set[str], common: dict) -> SavedOptimizer:
+    """What the checkpoint holds for each of this engine's trainable units' optimizer state: the
+    state keys of the saved units its parameters come from (they must agree), their scalars, and
+    the host step counts ([Note: host step counts] in engine/checkpointing.py)."""
+    record = common.get("offload")
+    per_unit: dict[str, SavedUnitOptimizer] = {}
+    for u in units:
+        if not u.trainable:
+            continue
+        sources = {layout.params[p.fqn].unit["name"]: layout.params[p.fqn].unit
+                   for p in u.params if p.fqn in names}
+        if not sources:
+            continue
+        keysets = {tuple(m["optim_keys"]) for m in sources.values() if m["trainable"]}
+        if len(keysets) != 1:
+            raise ValueError(f"unit {u.name}: its parameters come from saved units with different "
+                             f"optimizer state ({sorted(keysets)}); cannot merge them")
+        (keys,) = keysets
+        first = next(iter(sources))
+        steps = record["host_steps"].get(first) if record is not None else None
+        per_unit[u.name] = SavedUnitOptimizer(tuple(keys), common["optim_scalars"].get(first, {}),
+                                              None if steps is None else int(steps))
+    counters = common["counters"]
+    launches = (record["launches"] if record is not None
+                else counters["global_steps"] - counters["skipped_steps"])
+    return SavedOptimizer(common["param_groups"], per_unit, launches,
+                          record is not None and record["pending_write_back"])
+
+
+def _open_on_every_rank(engine: Checkpointable, units: list[UnitRecord], load_dir: str, tag: Any, strict: bool):
     """Resolves, validates and opens the tag; then every rank learns how the others fared (one
     all-reduce), before the loading collectives. A rank that failed alone would otherwise leave
     the others in the weight gathers until the communication timeout."""
@@ -171,7 +208,7 @@ def _open_on_every_rank(engine: "Engine", load_dir: str, tag: Any, strict: bool)
         if resolved is not None:
             path = committed_path(os.path.join(load_dir, resolved))
             layout = Layout(read_meta(path))
-            names = set(check_names(layout, engine, strict))
+            names = set(check_names(layout, units, strict))
             common = torch.load(os.path.join(path, COMMON), map_location="cpu", weights_only=False)
             opened = (path, layout, names, common, SavedTensors(path, layout))
     except Exception as e:  # noqa: BLE001 - raised below, after the other ranks have heard
@@ -202,68 +239,7 @@ def _open_on_every_rank(engine: "Engine", load_dir: str, tag: Any, strict: bool)
     raise RuntimeError(f"load_checkpoint: {problem}; nothing was loaded on any rank")
 
 
-def _load_weights(engine: "Engine", saved: SavedTensors, names: set[str]) -> None:
-    """Masters (and through them the compute weights), or a frozen unit's weights directly."""
-    rank = engine.comm.rank
-    for u in engine.units:
-        if u.trainable:
-            load_master(saved, u, names)
-            # master -> compute weights (-> shard) -> every rank; the gathers run while the next
-            # units and the optimizer state are read, and load_checkpoint waits for them at the end.
-            u.publish_weights()
-            continue
-        if u.shard is not None:  # stage 3: the shard is the home of a frozen unit's weights
-            lo = rank * u.shard_numel
-            saved.fill(u, "values", lo, lo + u.shard_numel, u.shard, names)
-            if u.state is not WeightState.SHARDED:
-                saved.fill(u, "values", 0, u.padded_numel, u.flat, names)
-        else:
-            saved.fill(u, "values", 0, u.padded_numel, u.flat, names)
-
-
-def _load_optimizer(engine: "Engine", saved: SavedTensors, layout: Layout, names: set[str],
-                    common: dict) -> None:
-    opt = engine.optimizer
-    groups = common["param_groups"]
-    if len(groups) != len(opt.param_groups):
-        raise ValueError(f"the checkpoint's optimizer has {len(groups)} param groups, this one has "
-                         f"{len(opt.param_groups)}; pass load_optimizer_states=False to load weights only")
-    for group, saved_group in zip(opt.param_groups, groups):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
-    for u in engine.units:
-        if not u.trainable:
-            continue
-        sources = {layout.params[s.fqn].unit["name"]: layout.params[s.fqn].unit
-                   for s in u.slots if s.fqn in names}
-        if not sources:
-            continue
-        keysets = {tuple(m["optim_keys"]) for m in sources.values() if m["trainable"]}
-        if len(keysets) != 1:
-            raise ValueError(f"unit {u.name}: its parameters come from saved units with different "
-                             f"optimizer state ({sorted(keysets)}); cannot merge them")
-        (keys,) = keysets
-        old = opt.state.pop(u.master, {})
-        device = u.parts[-1]  # torch's optimizer holds the device part's state
-        first = next(iter(sources))
-        scalars = common["optim_scalars"].get(first, {})
-        for host in host_parts(u):
-            load_host_state(saved, u, host, list(keys), names, scalars, common.get("offload"), first)
-        if not keys:  # never stepped: no state, as a fresh optimizer
-            continue
-        state: dict[str, Any] = {}
-        for k, v in scalars.items():
-            state[k] = v.to(u.master.device) if torch.is_tensor(v) and v.dim() > 0 else v
-        for k in keys:
-            # Reuse this optimizer's tensor where it has one: fresh memory costs page faults.
-            t = old.get(k)
-            if not (torch.is_tensor(t) and t.shape == u.master.shape and t.dtype == torch.float32):
-                t = torch.empty_like(u.master, dtype=torch.float32)
-            saved.fill(u, f"optim.{k}", device.lo, device.hi, t, names, zero_rest=True)
-            state[k] = t
-        opt.state[u.master] = state
-
-
-def _load_buffers(engine: "Engine", buffers: dict[str, torch.Tensor], strict: bool) -> None:
+def _load_buffers(engine: Checkpointable, buffers: dict[str, torch.Tensor], strict: bool) -> None:
     ours = dict(persistent_buffers(engine.module))
     missing = sorted(set(ours) - set(buffers))
     if strict and missing:
@@ -277,16 +253,8 @@ def _load_buffers(engine: "Engine", buffers: dict[str, torch.Tensor], strict: bo
                 buf.copy_(buffers[name])
 
 
-def _load_training_state(engine: "Engine", common: dict, path: str, load_optimizer_states: bool,
-                         load_lr_scheduler_states: bool) -> None:
-    for k, v in common["counters"].items():
-        setattr(engine, k, v)
-    engine.loss_scaler.load_state_dict(common["loss_scaler"])
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(common["lr_scheduler"])
-        if not load_optimizer_states:  # the learning rates live in the optimizer's param groups
-            for group, saved in zip(engine.optimizer.param_groups, common["param_groups"]):
-                group["lr"] = saved["lr"]
+def _load_rank_state(engine: Checkpointable, path: str) -> None:
+    """This rank's RNG states and data-loader position."""
     rank_path = os.path.join(path, rank_file(engine.comm.rank))
     if os.path.exists(rank_path):
         rank_state = torch.load(rank_path, map_location="cpu", weights_only=False)

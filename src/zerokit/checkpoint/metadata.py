@@ -29,19 +29,19 @@ to match.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
+import torch.nn as nn
 
+from zerokit.checkpoint.interface import UnitRecord
 from zerokit.checkpoint.storage import DTYPE_NAMES
-
-if TYPE_CHECKING:
-    from zerokit.engine.engine import Engine
 
 FORMAT = "zerokit-checkpoint"
 VERSION = 1
 META = "meta.json"
 COMMON = "common.pt"
 MODEL_CONFIG = "config.json"
+IN_USE = "weights_in_use"  # the compute weights while a delayed host update is pending
 
 
 def shard_file(rank: int) -> str:
@@ -61,29 +61,33 @@ def values_kind(unit_meta: dict) -> str:
     return "master" if unit_meta["trainable"] else "weights"
 
 
-def saved_range(unit, rank: int) -> tuple[int, int]:
+def saved_range(unit: UnitRecord, rank: int) -> tuple[int, int]:
     return rank * unit.shard_numel, (rank + 1) * unit.shard_numel
 
 
-def describe(engine: "Engine", optim_keys: dict[str, list[str]]) -> dict:
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Every other name of a tied parameter -> the name the state dict keeps for it."""
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    return {n: canonical[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
+            if canonical[id(p)] != n}
+
+
+def describe(units: list[UnitRecord], world_size: int, stage: int, aliases: dict[str, str],
+             optim_keys: dict[str, list[str]]) -> dict:
     """The layout part of meta.json (files are added at commit)."""
-    canonical = {id(p): n for n, p in engine.module.named_parameters()}
-    aliases = {n: canonical[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False)
-               if canonical[id(p)] != n}
-    units = []
-    for u in engine.units:
-        units.append({
+    described = []
+    for u in units:
+        described.append({
             "name": u.name, "numel": u.numel, "padded_numel": u.padded_numel,
             "shard_numel": u.shard_numel, "trainable": u.trainable, "group_index": u.group_index,
-            "ranges": [list(saved_range(u, r)) for r in range(u.comm.world_size)],
+            "ranges": [list(saved_range(u, r)) for r in range(world_size)],
             "optim_keys": optim_keys.get(u.name, []),
-            "params": [{"name": s.fqn, "shape": list(s.shape), "dtype": DTYPE_NAMES[u.compute_dtype],
-                        "offset": s.offset, "numel": s.numel} for s in u.slots],
+            "params": [{"name": p.fqn, "shape": list(p.shape), "dtype": DTYPE_NAMES[u.compute_dtype],
+                        "offset": p.offset, "numel": p.numel} for p in u.params],
         })
-    return {"format": FORMAT, "version": VERSION, "world_size": engine.comm.world_size,
-            "stage": engine.config.zero_optimization.stage,
-            "compute_dtype": DTYPE_NAMES[engine.units[0].compute_dtype],
-            "aliases": aliases, "units": units}
+    return {"format": FORMAT, "version": VERSION, "world_size": world_size, "stage": stage,
+            "compute_dtype": DTYPE_NAMES[units[0].compute_dtype],
+            "aliases": aliases, "units": described}
 
 
 @dataclass(frozen=True)
@@ -141,12 +145,12 @@ def overlaps(slots, a: int, b: int) -> Iterator[tuple[object, int, int]]:
             yield s, lo - s.offset, hi - s.offset
 
 
-def check_names(layout: Layout, engine: "Engine", strict: bool) -> list[str]:
+def check_names(layout: Layout, units: list[UnitRecord], strict: bool) -> list[str]:
     """Missing / unexpected parameters and shape mismatches, as DeepSpeed/torch name them.
 
     Returns the names of this engine's parameters the checkpoint has (the ones to load).
     """
-    ours = {s.fqn: tuple(s.shape) for u in engine.units for s in u.slots}
+    ours = {p.fqn: tuple(p.shape) for u in units for p in u.params}
     mismatched = [f"{n}: checkpoint has shape {list(layout.params[n].shape)}, the model has {list(shape)}"
                   for n, shape in ours.items() if n in layout.params and layout.params[n].shape != shape]
     if mismatched:

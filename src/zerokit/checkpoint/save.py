@@ -22,9 +22,11 @@ The protocol, as four steps (DCP's plan / write / commit, plus an explicit agree
              then reads the old copy, whole (load.committed_path), and the next save puts it back
              before anything else (recover_interrupted), or drops an `.old-{tag}` left beside a
              complete `{tag}` (a kill while removing it).
-Asynchronously, steps 3-4 run on a background thread per rank with no collectives: rank 0's
-thread waits for the other ranks' markers in the file system (or a `rank{r}.failed` marker, or
-the comm timeout) before it commits. The next save, a load, or `wait_for_checkpoint` waits.
+Asynchronously, steps 3-4 run on a background thread per rank with no collectives, on the
+engine's save lease (core/lease.py): rank 0's thread waits for the other ranks' markers in the
+file system (or a `rank{r}.failed` marker, or the comm timeout) before it commits. The next save,
+a load, or `wait_for_checkpoint` waits. What is saved comes through the engine's narrow interface
+([Note: checkpoint interface] in checkpoint/interface.py): named pieces of live state, and scalars.
 
 [Note: async save without a host copy] A host copy of the whole shard (0.5 GB per rank in the
 benchmark) takes about 0.1 s here, a fifth of the direct write itself, and training would stall
@@ -33,33 +35,26 @@ or the weight shards, so the writer can read them in place as long as the next s
 """
 from __future__ import annotations
 
-import copy
 import io
 import logging
 import os
 import random
 import shutil
-import threading
 import time
-import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from zerokit.checkpoint.dataloader import ResumableDistributedSampler
-from zerokit.checkpoint.metadata import (COMMON, META, MODEL_CONFIG, describe, done_marker, rank_file, saved_range,
-                                         shard_file)
-from zerokit.checkpoint.offload_state import (IN_USE, cut, master_parts, offload_record, pending_write_back,
-                                              state_keys, state_parts, wait_for_host_updates)
+from zerokit.checkpoint.interface import Checkpointable, FileRange, HostRecord
+from zerokit.checkpoint.metadata import (COMMON, META, MODEL_CONFIG, describe, done_marker, rank_file, shard_file,
+                                         tied_aliases)
 from zerokit.checkpoint.staging import stage
 from zerokit.checkpoint.verify import check_shard_files
 from zerokit.checkpoint.storage import (CheckpointWriteError, Parts, fsync_dir, nbytes_of,
                                         save_shard_file, write_bytes_atomic, write_error, write_json)
-
-if TYPE_CHECKING:
-    from zerokit.engine.engine import Engine
 
 log = logging.getLogger("zerokit")
 
@@ -76,41 +71,19 @@ class Snapshot:
     nbytes: int = 0
 
 
-@dataclass
-class PendingSave:
-    thread: threading.Thread
-    error: list[BaseException] = field(default_factory=list)
-    tensors_written: threading.Event = field(default_factory=threading.Event)
-
-    def wait(self) -> None:
-        self.thread.join()
-        if self.error:
-            raise self.error[0]
+def wait_for_checkpoint(engine: Checkpointable) -> None:
+    """Block until this rank's asynchronous save (rank 0: including the commit) is finished;
+    raises what it failed with."""
+    engine.save_lease.wait()
 
 
-_PENDING: "weakref.WeakKeyDictionary[Engine, PendingSave]" = weakref.WeakKeyDictionary()
+def settle_checkpoint(engine: Checkpointable) -> None:
+    """Before training state changes: wait until an asynchronous save of `engine` no longer reads
+    it (see [Note: async save without a host copy]). The commit may still be running."""
+    engine.save_lease.settle()
 
 
-def wait_for_checkpoint(engine: "Engine") -> None:
-    """Block until this rank's asynchronous save (rank 0: including the commit) is finished."""
-    pending = _PENDING.pop(engine, None)
-    if pending is not None:
-        pending.wait()
-
-
-def settle_checkpoint(engine: "Engine | None" = None) -> None:
-    """Before training state changes: wait until an asynchronous save of `engine` (None: of any
-    engine) no longer reads it (see [Note: async save without a host copy]). The commit may
-    still be running."""
-    for pending in [_PENDING.get(engine)] if engine is not None else list(_PENDING.values()):
-        if pending is not None and not pending.tensors_written.is_set():
-            t0 = time.perf_counter()
-            pending.tensors_written.wait()
-            log.debug("waited %.3f s for an asynchronous save to finish reading the training state",
-                      time.perf_counter() - t0)
-
-
-def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_state: dict | None = None,
+def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Any = None, client_state: dict | None = None,
                     save_latest: bool = True) -> str:
     """Collective. Returns the tag directory (it exists once every rank returns, unless async)."""
     wait_for_checkpoint(engine)  # the next save waits for the previous one
@@ -137,11 +110,9 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Any = None, client_sta
     snap = snapshot(engine, client_state, copy_tensors=async_save)
     final = os.path.join(save_dir, tag)
     if async_save:
-        pending = PendingSave(threading.Thread(target=lambda: None))
-        pending.thread = threading.Thread(target=_background, name=f"zerokit-save-{tag}",
-                                          args=(pending, engine, save_dir, tmp, tag, snap, save_latest))
-        pending.thread.start()
-        _PENDING[engine] = pending
+        rank, world, timeout_s = comm.rank, comm.world_size, comm.timeout_s
+        engine.save_lease.start(lambda release: _background(release, rank, world, timeout_s, save_dir, tmp, tag,
+                                                            snap, save_latest), name=f"zerokit-save-{tag}")
         return final
     _agree(engine, _attempt(lambda: write_rank(tmp, rank, snap), tmp), "writing", tmp)
     if rank == 0:
@@ -162,7 +133,7 @@ def _attempt(fn: Callable[[], None], tmp: str) -> BaseException | None:
     return None
 
 
-def _agree(engine: "Engine", err: BaseException | None, step: str, tmp: str) -> None:
+def _agree(engine: Checkpointable, err: BaseException | None, step: str, tmp: str) -> None:
     """Every rank learns whether any failed (one all-reduce); on failure the tag is removed."""
     failed = engine.comm.max_flag(1.0 if err is not None else 0.0, f"checkpoint save ({step})")
     if not failed:
@@ -198,32 +169,16 @@ def recover_interrupted(save_dir: str) -> None:
 
 
 # ---- 2. snapshot ------------------------------------------------------------------------------
-def snapshot(engine: "Engine", client_state: dict | None, copy_tensors: bool) -> Snapshot:
+def snapshot(engine: Checkpointable, client_state: dict | None, copy_tensors: bool) -> Snapshot:
     rank = engine.comm.rank
-    tensors: list[tuple[str, torch.Tensor | Parts]] = []
-    optim_keys: dict[str, list[str]] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    wait_for_host_updates(engine)
-    in_use = pending_write_back(engine)
-    for u in engine.units:
-        lo, hi = saved_range(u, rank)
-        weights = u.shard if u.shard is not None else u.flat[lo:hi]
-        if u.trainable:
-            a = u.opt_range[0]
-            tensors.append((f"{u.name}/master", cut(master_parts(u), lo - a, hi - a)))
-            state = engine.optimizer.state.get(u.master, {})
-            keys = optim_keys[u.name] = state_keys(u, state)
-            tensors += [(f"{u.name}/optim.{k}", cut(state_parts(u, state, k), lo - a, hi - a)) for k in keys]
-            scalars[u.name] = copy.deepcopy({k: v for k, v in state.items() if k not in keys})
-            if in_use and u.host_numel > 0:  # [Note: delayed update in checkpoints]
-                tensors.append((f"{u.name}/{IN_USE}", weights))
-        else:
-            tensors.append((f"{u.name}/weights", weights))
-    # An async save copies device tensors to the staging buffer and writes host tensors in place
-    # (see [Note: async save without a host copy]); a sync save writes the live tensors.
+    state = engine.state_to_save()
+    tensors: list[tuple[str, Parts]] = [(p.name, list(p.segments)) for p in state.pieces]
+    # An async save copies device tensors to the staging buffer and writes host tensors (and
+    # file ranges) in place (see [Note: async save without a host copy]); a sync save writes the
+    # live tensors.
     if copy_tensors:
         on_device = [(n, t) for n, t in tensors if _on_device(t)]
-        staged = dict(stage(engine, on_device)) if on_device else {}
+        staged = dict(stage(engine.save_lease, engine.comm.device, on_device)) if on_device else {}
         tensors = [(n, staged.get(n, t)) for n, t in tensors]
     else:
         tensors = [(n, _on_host(t)) for n, t in tensors]
@@ -232,31 +187,38 @@ def snapshot(engine: "Engine", client_state: dict | None, copy_tensors: bool) ->
     snap = Snapshot(tensors, _serialize(rank_state))
     snap.nbytes = sum(nbytes_of(t) for _, t in tensors)
     if rank == 0:
-        sched = engine.lr_scheduler
+        scalars = engine.training_scalars()
         common = {
             "client_state": client_state if client_state is not None else {},
-            "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
-            "loss_scaler": engine.loss_scaler.state_dict(),
-            "counters": {k: getattr(engine, k) for k in
-                         ("global_steps", "micro_steps", "skipped_steps", "global_samples")},
-            "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                             for g in engine.optimizer.param_groups],
-            "optim_scalars": scalars,
-            "offload": offload_record(engine),
+            "lr_scheduler": scalars["lr_scheduler"],
+            "loss_scaler": scalars["loss_scaler"],
+            "counters": scalars["counters"],
+            "param_groups": scalars["param_groups"],
+            "optim_scalars": state.optim_scalars,
+            "offload": _host_record(state.host),
             "buffers": {n: b.detach().cpu().clone() for n, b in persistent_buffers(engine.module)},
         }
         snap.common_bytes = _serialize(common)
         snap.model_config = model_config_json(engine.module)
-        snap.meta = describe(engine, optim_keys)
+        snap.meta = describe(engine.checkpoint_units(), engine.comm.world_size,
+                             engine.config.zero_optimization.stage, tied_aliases(engine.module), state.optim_keys)
     return snap
 
 
-def _on_device(t: torch.Tensor | Parts) -> bool:
-    return any(p.device.type != "cpu" for p in (t if isinstance(t, list) else [t]))
+def _host_record(host: HostRecord | None) -> dict[str, Any] | None:
+    """common.pt's "offload": the host executor's step counts, launches, a pending write-back."""
+    if host is None:
+        return None
+    return {"host_steps": dict(host.host_steps), "launches": host.launches,
+            "pending_write_back": host.pending_write_back}
 
 
-def _on_host(t: torch.Tensor | Parts) -> torch.Tensor | Parts:
-    return [p.detach().cpu() for p in t] if isinstance(t, list) else t.detach().cpu()
+def _on_device(t: Parts) -> bool:
+    return any(not isinstance(p, FileRange) and p.device.type != "cpu" for p in t)
+
+
+def _on_host(t: Parts) -> Parts:
+    return [p if isinstance(p, FileRange) else p.detach().cpu() for p in t]
 
 
 def model_config_json(module: torch.nn.Module) -> bytes | None:
@@ -281,7 +243,7 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def _sampler(engine: "Engine") -> ResumableDistributedSampler | None:
+def _sampler(engine: Checkpointable) -> ResumableDistributedSampler | None:
     loader = engine.training_dataloader
     sampler = getattr(loader, "sampler", None)
     return sampler if isinstance(sampler, ResumableDistributedSampler) else None
@@ -351,18 +313,18 @@ def commit(save_dir: str, tmp: str, tag: str, world_size: int, meta: dict, save_
         write_bytes_atomic(os.path.join(save_dir, LATEST), tag.encode())
 
 
-def _background(pending: PendingSave, engine: "Engine", save_dir: str, tmp: str, tag: str,
-                snap: Snapshot, save_latest: bool) -> None:
-    rank, world = engine.comm.rank, engine.comm.world_size
+def _background(release: Callable[[], None], rank: int, world: int, timeout_s: float, save_dir: str,
+                tmp: str, tag: str, snap: Snapshot, save_latest: bool) -> None:
+    """An asynchronous save's steps 3-4; `release` ends the read lease once the files are written.
+    A failure is raised again by the next save / load / wait_for_checkpoint (ReadLease.wait)."""
     try:
         try:
             write_rank(tmp, rank, snap)
         finally:
-            pending.tensors_written.set()
+            release()
         if rank == 0:
-            commit(save_dir, tmp, tag, world, snap.meta, save_latest, wait_s=engine.comm.timeout_s)
-    except BaseException as e:  # noqa: BLE001 - re-raised by the next save / load / wait
-        pending.error.append(e)
+            commit(save_dir, tmp, tag, world, snap.meta, save_latest, wait_s=timeout_s)
+    except BaseException as e:
         try:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -371,3 +333,4 @@ def _background(pending: PendingSave, engine: "Engine", save_dir: str, tmp: str,
         except OSError:
             pass
         log.error("asynchronous checkpoint save of %s failed on rank %d: %s", tag, rank, e)
+        raise

@@ -19,6 +19,8 @@ from typing import BinaryIO
 
 import torch
 
+from zerokit.checkpoint.interface import FileRange
+
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
           torch.uint8: "U8", torch.bool: "BOOL"}
@@ -28,7 +30,8 @@ DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 # A 1-D tensor stored as consecutive parts of one dtype (an offloaded unit's host part, then its
-# device part): written one after the other, so the parts are never concatenated in memory.
+# device part): written one after the other, so the parts are never concatenated in memory. A part
+# may be a FileRange (state resident in a file): save_shard_file copies it file to file.
 Parts = list
 
 
@@ -170,10 +173,13 @@ def save_shard_file(path: str, tensors: list[tuple[str, "torch.Tensor | Parts"]]
 
     prefix, data_bytes = safetensors_prefix([(n, *entry_of(t)) for n, t in tensors], metadata)
     pieces = [(0, torch.frombuffer(bytearray(prefix), dtype=torch.uint8))]
+    ranges: list[tuple[int, FileRange]] = []
     offset = len(prefix)
     for _, t in tensors:
         for p in (t if isinstance(t, list) else [t]):
-            if p.numel():
+            if isinstance(p, FileRange):
+                ranges.append((offset, p))
+            elif p.numel():
                 pieces.append((offset, p.detach().contiguous().view(-1).view(torch.uint8)))
             offset += p.numel() * p.element_size()
     size = len(prefix) + data_bytes
@@ -190,6 +196,9 @@ def save_shard_file(path: str, tensors: list[tuple[str, "torch.Tensor | Parts"]]
             handles = [aio.write(path, t, at) for at, t in pieces]
             for h in handles:
                 h.wait()
+        # After the direct writes, which read-modify-write the sectors they share with these.
+        for at, r in ranges:
+            copy_range(r, path, at)
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -198,6 +207,34 @@ def save_shard_file(path: str, tensors: list[tuple[str, "torch.Tensor | Parts"]]
     except OSError as e:
         raise write_error(path, e) from e
     return size
+
+
+def copy_range(src: FileRange, path: str, at: int) -> None:
+    """The bytes of `src` to byte `at` of the file at `path`, file to file (copy_file_range: no
+    trip through this process's memory where the file system supports it)."""
+    with open(src.path, "rb", buffering=0) as fin, open(path, "r+b", buffering=0) as fout:
+        done, size = 0, src.nbytes
+        while done < size:
+            try:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done,
+                                       src.offset + done, at + done)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                n = _copy_by_reading(fin.fileno(), fout.fileno(), size - done, src.offset + done, at + done)
+            if n <= 0:
+                raise OSError(f"{src.path} is shorter than the range it holds: {size} bytes at "
+                              f"{src.offset} wanted, copied {done}")
+            done += n
+
+
+def _copy_by_reading(fin: int, fout: int, count: int, src_at: int, dst_at: int) -> int:
+    data = os.pread(fin, min(count, 1 << 24), src_at)
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fout, view, dst_at)
+        view, dst_at = view[n:], dst_at + n
+    return len(data)
 
 
 def _reserve(fd: int, size: int) -> None:

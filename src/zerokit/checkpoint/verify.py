@@ -20,8 +20,7 @@ import json
 import os
 import struct
 
-from zerokit.checkpoint.metadata import shard_file
-from zerokit.checkpoint.offload_state import IN_USE
+from zerokit.checkpoint.metadata import IN_USE, shard_file
 from zerokit.checkpoint.storage import DTYPE_BY_NAME, DTYPES
 
 

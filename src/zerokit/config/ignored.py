@@ -45,9 +45,9 @@ IGNORED: dict[str, Ignored] = {
         "buffer, so there is no staging buffer for it to bound (stage 3 gathers are bounded by "
         "stage3_prefetch_bucket_size and stage3_max_live_parameters)"),
     "zero_optimization.sub_group_size": Ignored(
-        "zerokit steps each unit's optimizer shard in one call (the unit is the sub-group), and "
-        "the step's memory is the shard's, with no sub-group buffers to bound; the key will size "
-        "the sub-groups streamed from NVMe (ZeRO-Infinity, issue #16)",
+        "without offload_optimizer.device 'nvme' zerokit steps each unit's optimizer shard in "
+        "one call (the unit is the sub-group), with no sub-group buffers to bound; with 'nvme' "
+        "it sizes the sub-groups streamed from NVMe and is not reported",
         honoured=(1_000_000_000,)),
     **{f"zero_optimization.{key}": Ignored(reason, honoured=honoured) for key, reason, honoured in [
         ("allgather_partitions", "zerokit always all-gathers the updated partitions into each "
@@ -93,13 +93,10 @@ IGNORED: dict[str, Ignored] = {
     **{f"zero_optimization.{section}.{key}": Ignored(
         f"used only with {section}.device 'nvme' (ZeRO-Infinity, issue #16, not implemented yet)")
        for section, keys in [("offload_param", ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
-                             ("offload_optimizer", ("nvme_path", "buffer_count", "pipeline_read",
-                                                    "pipeline_write", "fast_init"))]
+                             ]
        for key in keys},
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": Ignored(
         "zerokit's host optimizer uses the OpenMP threads of the process (OMP_NUM_THREADS)"),
-    "aio": Ignored("asynchronous I/O for NVMe offload, which zerokit refuses until issue #16 "
-                   "(ZeRO-Infinity)"),
     **{key: Ignored(reason, honoured=honoured) for key, reason, honoured in [
         ("tensorboard", "zerokit writes no monitor events; log from the training loop (the HF "
          "Trainer's report_to does)", ()),
@@ -205,7 +202,10 @@ def ignored_settings(cfg: "ZeroKitConfig") -> list[tuple[str, Any, str]]:
     """(path, value, reason) for every IGNORED key this config sets, in the table's order."""
     removed = cfg.ignored_raw
     found = []
+    nvme = cfg.zero_optimization.offload_optimizer.device == "nvme"
     for path, entry in IGNORED.items():
+        if nvme and path == "zero_optimization.sub_group_size":
+            continue  # it sizes the NVMe sub-groups (engine/nvme_executor.py)
         if path in removed:
             if removed[path] not in entry.honoured:
                 found.append((path, removed[path], entry.reason))

@@ -9,11 +9,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from zerokit.config.ignored import format_ignored, ignored_settings
-from zerokit.engine.optimizer import STATE_BYTES_PER_ELEMENT
 from zerokit.utils.logs import log
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # described through its public attributes; importing this imports no engine
     from zerokit.engine.engine import Engine
+
+# Bytes of optimizer state per master element, for the start-up plan (before state exists).
+STATE_BYTES_PER_ELEMENT = {"Adam": 8, "AdamW": 8, "SGD": 4, "Adagrad": 4, "HostLion": 4, "Lion": 4,
+                           "HostAdam": 8, "HostAdagrad": 4}
 
 
 def _mib(n: float) -> str:
@@ -40,7 +43,7 @@ def explain(engine: "Engine") -> str:
     units = engine.units
     trainable = sum(u.numel for u in units if u.trainable)
     frozen = sum(u.numel for u in units if not u.trainable)
-    masters = sum(u.master.numel() + u.host_numel for u in units if u.trainable)
+    masters = sum(u.opt_range[1] - u.opt_range[0] for u in units if u.trainable)
     opt_name = type(engine.optimizer).__name__
     per_elem = STATE_BYTES_PER_ELEMENT.get(opt_name)
     state_now = ledger.bytes(kind="optimizer_state")
@@ -82,11 +85,23 @@ def _offload_lines(engine: "Engine") -> list[str]:
     host = sum(u.host_numel for u in engine.units)
     total = sum(u.opt_range[1] - u.opt_range[0] for u in engine.units if u.trainable)
     moved = sum(engine.ledger.bytes(tier="host", kind=k) for k in ("master", "grads", "optimizer_state"))
-    return lines + [
+    lines += [
         f"  {placement.describe()}",
         f"    {host:,} of {total:,} optimizer elements on the host on rank {engine.comm.rank}: "
         f"{_mib(moved)} allocated there (master + optimizer state + gradients of the offloaded "
         f"part)"]
+    return lines + _nvme_lines(engine, total)
+
+
+def _nvme_lines(engine: "Engine", total: int) -> list[str]:
+    """ZeRO-Infinity's optimizer: elements and bytes on NVMe, the NVMe traffic one step expects."""
+    nvme = sum(u.layout.nvme_numel for u in engine.units)
+    if not nvme:
+        return []
+    on_disk = engine.ledger.bytes(tier="nvme")
+    return [f"    {nvme:,} of {total:,} optimizer elements on NVMe on rank {engine.comm.rank}: "
+            f"{_mib(on_disk)} in files (master + optimizer state); expected NVMe traffic per step "
+            f"{_mib(2 * on_disk)} (each read once and written once)"]
 
 
 def _offload_param_lines(engine: "Engine", placement) -> list[str]:

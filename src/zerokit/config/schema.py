@@ -161,12 +161,33 @@ class OffloadOptimizerConfig(_Section):
         1.0, description="Twin-Flow: fraction of each rank's optimizer shard stepped on the host; "
                          "the rest is stepped on the device at the same time.")
     delayed_update: DelayedUpdateConfig = DelayedUpdateConfig()
+    # device "nvme" (ZeRO-Infinity): see engine/nvme_executor.py.
+    nvme_path: str | None = Field(
+        None, description="device 'nvme': the directory the fp32 master and optimizer state files "
+                          "go in (a zerokit-swap/rank<r> directory under it, removed on close).")
+    buffer_count: Int = Field(
+        4, ge=2, description="device 'nvme': host buffer sets the step streams sub-groups through "
+                             "(read i+1 and write i-1 while i updates needs 3).")
+    pipeline_read: bool = Field(False, description="device 'nvme': read the next sub-groups "
+                                                   "while one updates.")
+    pipeline_write: bool = Field(False, description="device 'nvme': write a sub-group back "
+                                                    "while the next updates.")
+    fast_init: bool = Field(
+        False, description="device 'nvme': both values give the same start: state files are "
+                           "zero-filled when reserved, so no initializing step runs either way.")
+    max_in_cpu: Int = Field(
+        0, ge=0, description="zerokit (offload_param.max_in_cpu's precedent), device 'nvme': "
+                             "optimizer elements per rank whose master, state and gradient stay "
+                             "in host memory (stepped by the host kernel); the rest live on NVMe.")
 
     @model_validator(mode="after")
     def _valid(self) -> "OffloadOptimizerConfig":
-        if self.device == "nvme":
-            raise ValueError("offload_optimizer.device 'nvme' is not implemented yet (ZeRO-Infinity, issue #16); "
-                             "allowed: 'cpu', 'none'")
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("offload_optimizer.device 'nvme' needs offload_optimizer.nvme_path "
+                             "(a directory on the NVMe drive)")
+        if self.device == "nvme" and self.delayed_update.enabled:
+            raise ValueError("offload_optimizer.delayed_update with device 'nvme' is not "
+                             "implemented; allowed with device 'cpu'")
         if self.ratio != "auto" and not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"offload_optimizer.ratio must be in [0, 1] or 'auto' (got {self.ratio!r})")
         return self
@@ -207,8 +228,10 @@ class ZeroConfig(_Section):
                            "(_zero3_consolidated_16bit_state_dict); DeepSpeed's old name "
                            "stage3_gather_fp16_weights_on_model_save is the same key.")
     sub_group_size: Int = Field(
-        1_000_000_000, gt=0, description="Elements per optimizer sub-group. zerokit steps each "
-                                         "unit's optimizer shard whole (see config/ignored.py).")
+        1_000_000_000, gt=0, description="Elements per optimizer sub-group: offload_optimizer "
+                                         "device 'nvme' streams the optimizer state from NVMe "
+                                         "this many elements at a time; elsewhere each unit's "
+                                         "shard is stepped whole (see config/ignored.py).")
     reshard_after_forward: bool = Field(
         True, description="zerokit (FSDP's name): release a unit after its forward; False keeps "
                           "it gathered until its backward, trading memory for one all-gather.")
@@ -223,14 +246,43 @@ class ZeroConfig(_Section):
 
     @model_validator(mode="after")
     def _offload_needs_sharding(self) -> "ZeroConfig":
-        if self.offload_optimizer.device == "cpu" and self.stage == 0:
-            raise ValueError("zero_optimization.offload_optimizer.device 'cpu' needs stage 1, 2 or 3 "
+        if self.offload_optimizer.device in ("cpu", "nvme") and self.stage == 0:
+            raise ValueError(f"zero_optimization.offload_optimizer.device "
+                             f"'{self.offload_optimizer.device}' needs stage 1, 2 or 3 "
                              "(got stage 0): offload moves this rank's optimizer shard to the host")
         if self.offload_param.device == "cpu" and self.stage != 3:
             raise ValueError(f"zero_optimization.offload_param.device 'cpu' needs stage 3 (got stage "
                              f"{self.stage}): only stage 3 partitions the weights into shards that "
                              f"can live on the host; use offload_optimizer below stage 3")
         return self
+
+
+class AioSection(_Section):
+    """DeepSpeed's `aio` section: the I/O engine of NVMe offload (zerokit.io.AioConfig)."""
+
+    block_size: Int = Field(1 << 20, gt=0, description="Bytes per I/O request (multiple of 4096).")
+    queue_depth: Int = Field(8, ge=1, description="Requests in flight per thread.")
+    thread_count: Int = Field(1, ge=1, description="I/O threads (a multiplier of queue_depth).")
+    intra_op_parallelism: Int | None = Field(
+        None, ge=1, description="DeepSpeed's newer name for thread_count; wins where both are set.")
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = Field(False, description="GPUDirect Storage: not implemented (refused).")
+
+    @model_validator(mode="after")
+    def _valid(self) -> "AioSection":
+        if self.block_size % 4096:
+            raise ValueError(f"aio.block_size must be a multiple of 4096, got {self.block_size}")
+        if self.use_gds:
+            raise ValueError("aio.use_gds (GPUDirect Storage) is not implemented; allowed: false")
+        return self
+
+    def engine_config(self):
+        from zerokit.io.aio import AioConfig
+
+        return AioConfig(block_size=self.block_size, queue_depth=self.queue_depth,
+                         thread_count=self.intra_op_parallelism or self.thread_count,
+                         single_submit=self.single_submit, overlap_events=self.overlap_events)
 
 
 class CheckpointConfig(_Section):
@@ -260,6 +312,7 @@ class ZeroKitConfig(_Section):
     bf16: BF16Config = BF16Config()
     gradient_clipping: float = Field(0.0, ge=0, description="Max global gradient norm; 0 disables.")
     zero_optimization: ZeroConfig = ZeroConfig()
+    aio: AioSection = AioSection()
     checkpoint: CheckpointConfig = CheckpointConfig()
     preemption: PreemptionConfig = PreemptionConfig()
     nonfinite: Literal["skip", "stop"] = Field(

@@ -21,6 +21,10 @@ host part's length, `r` = this rank's shard):
     host_grad0/1 fp32, [a, a + k)        the host part's gradient (two with the delayed update)
     host_out16   compute dtype, [a, a+k) the host kernel's 16-bit output (in-place: the host shard)
     host_staging fp32, [a, a + k)        pinned landing buffer for device -> host gradients (CUDA)
+    nvme_*       with offload_optimizer device 'nvme' the offloaded range [a, a + k) splits:
+                 [a, a + h) is the host part above (h: the max_in_cpu budget), [a + h, a + k)
+                 the nvme part: nvme_master fp32 on the nvme tier, nvme_grad0 fp32, nvme_out
+                 compute dtype, nvme_staging fp32 (CUDA) on the host
 The host part's optimizer state is allocated when the optimizer is known (HostPart.init_state),
 through the same host tier, so the ledger counts it as allocated too.
 """
@@ -104,6 +108,10 @@ class UnitLayout:
     def host_numel(self) -> int:
         return sum(p.numel for p in self.parts if p.tier == "host")
 
+    @property
+    def nvme_numel(self) -> int:
+        return sum(p.numel for p in self.parts if p.tier == "nvme")
+
     def bytes(self, tier: str) -> dict[str, int]:
         """Bytes the records own on `tier`, by ledger kind (aliases own nothing)."""
         out: dict[str, int] = {}
@@ -124,11 +132,14 @@ def geometry(numel: int, world: int, rank: int, shard_optimizer: bool) -> tuple[
 
 def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
                 placement: PlacementPolicy, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                *, trainable: bool, grad_accum_steps: int = 1, cuda: bool = False) -> UnitLayout:
+                *, trainable: bool, grad_accum_steps: int = 1, cuda: bool = False,
+                ram_left: int = 0) -> UnitLayout:
     """The unit's buffers as records; see [Note: unit layout records]. Pure: allocates nothing.
 
     cuda: the compute device is a CUDA device (host buffers that cross are pinned, gradients
-    land in a staging buffer).
+    land in a staging buffer). ram_left: with placement.nvme, elements of the host budget
+    (offload_optimizer.max_in_cpu) the units before this one left: the offloaded range's first
+    elements up to it stay in host memory, the rest is the nvme part.
     """
     padded, shard_numel, (a, b) = geometry(numel, world, rank, partition.shard_optimizer)
     fp32 = compute_dtype == torch.float32
@@ -145,7 +156,9 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
         return UnitLayout(numel, padded, shard_numel, (a, b), (), tuple(records))
 
     k = placement.host_numel(b - a) if placement.offloads else 0
-    parts = tuple(p for p in (OptimizerPart("host", a, a + k), OptimizerPart("device", a + k, b))
+    h = placement.ram_split(k, ram_left)  # [a, a + h) in host memory, [a + h, a + k) on NVMe
+    parts = tuple(p for p in (OptimizerPart("host", a, a + h), OptimizerPart("nvme", a + h, a + k),
+                              OptimizerPart("device", a + k, b))
                   if p.numel or p.tier == "device")
     if not partition.shard_gradients:
         records.append(BufferRecord("grads", "grads", "device", compute_dtype, 0, padded))
@@ -163,8 +176,10 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
         sums_in_master = not partition.shard_optimizer and k == 0
         records.append(BufferRecord("grad_acc", "grads", "device", f32, 0, padded,
                                     alias_of="master_grad" if sums_in_master else None))
-    if k:
-        records += _host_part_records(placement, partition, compute_dtype, a, a + k, cuda)
+    if h:
+        records += _host_part_records(placement, partition, compute_dtype, a, a + h, cuda)
+    if k > h:
+        records += _nvme_part_records(placement, compute_dtype, a + h, a + k, cuda)
     return UnitLayout(numel, padded, shard_numel, (a, b), parts, tuple(records))
 
 
@@ -186,5 +201,21 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
                                 alias_of="shard" if in_place else None))
     if cuda:
         out.append(BufferRecord("host_staging", "buffers", "host", f32, lo, hi,
+                                pinned=torch.cuda.is_available()))
+    return out
+
+
+def _nvme_part_records(placement: PlacementPolicy, compute_dtype: torch.dtype, lo: int, hi: int,
+                       cuda: bool) -> list[BufferRecord]:
+    """ZeRO-Infinity's part: the fp32 master in a file (its optimizer state joins at bind), the
+    gradient and the new compute-dtype weights in host memory (engine/nvme_executor.py)."""
+    f32 = torch.float32
+    pin = placement.pin_memory and cuda and torch.cuda.is_available()
+    out = [BufferRecord("nvme_master", "master", "nvme", f32, lo, hi),
+           BufferRecord("nvme_grad0", "grads", "host", f32, lo, hi, pinned=pin),
+           # the step's new weights, written back to the weights' home after the stream
+           BufferRecord("nvme_out", "buffers", "host", compute_dtype, lo, hi, pinned=pin)]
+    if cuda:
+        out.append(BufferRecord("nvme_staging", "buffers", "host", f32, lo, hi,
                                 pinned=torch.cuda.is_available()))
     return out

@@ -60,6 +60,8 @@ import torch.nn as nn
 
 from zerokit.core.collectives import Comm, Handle
 from zerokit.core.layout import ALIGN, UnitLayout, plan_layout
+from zerokit.core.lease import ReadLease
+from zerokit.core.nvme_part import NvmePart, fill_range, host_buffer
 from zerokit.core.parts import DevicePart, HostPart
 from zerokit.core.states import WeightState, move
 from zerokit.policy import PartitionPolicy, PlacementPolicy
@@ -100,7 +102,7 @@ class Unit:
                  group_index: int, comm: Comm, policy: PartitionPolicy, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, bucket_numel: int, ledger: Ledger,
                  grad_accum_steps: int = 1, placement: PlacementPolicy | None = None,
-                 layout: UnitLayout | None = None):
+                 layout: UnitLayout | None = None, nvme=None):
         """placement: where the buffers live (default: all on the device); layout: the records
         to allocate, when the caller planned them already (initialize checks their host bytes
         first); else planned here from the sizes and both policies."""
@@ -141,7 +143,7 @@ class Unit:
         self._release_bytes = None  # ledger release of the gathered full weights (stage 3)
         self._sync_initial_values()
         self._retired = False  # zero.Init's construction units give their parameters away
-        self._tiers = tiers_for(ledger, self.device)
+        self._tiers = tiers_for(ledger, self.device, nvme)  # nvme: the NvmeTier, if any
         self._allocate(self._tiers)
         self._ready: set[int] = set()
         self._launched = False
@@ -151,6 +153,7 @@ class Unit:
         self.index = -1  # position in the engine's unit list; set by the engine
         self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
         self.reduce_at_end = False  # holds a leaf module: reduced at end of backward ([Note: leaf modules])
+        self.lease = ReadLease()  # readers of this unit's state in flight; its engine's, shared (core/lease.py)
 
     # ---- construction -----------------------------------------------------------------------
     def _allocate(self, tiers: dict) -> None:
@@ -168,7 +171,11 @@ class Unit:
                                                       r.dtype, pinned=r.pinned)
         flat = bufs["weights"]
         for r in self.layout.records:  # masters from the parameters, before they point into flat
-            if r.kind == "master" and r.alias_of is None:
+            if r.kind == "master" and r.alias_of is None and r.tier == "nvme":
+                staged = host_buffer(r.numel)  # one part's master in RAM, then to its file
+                self._copy_param_values(staged, r.lo, r.hi)
+                fill_range(tiers["nvme"], bufs[r.name], staged)
+            elif r.kind == "master" and r.alias_of is None:
                 self._copy_param_values(bufs[r.name], r.lo, r.hi)
         self._copy_param_values(flat, 0, self.padded_numel)
         self.flat = flat
@@ -199,6 +206,11 @@ class Unit:
                                        home[host.lo - home_lo:host.hi - home_lo],
                                        in_place=self.layout.aliases(out, "shard"),
                                        pinned=self.layout.record("host_master").pinned))
+        nvme = next((p for p in self.layout.parts if p.tier == "nvme"), None)
+        if nvme is not None:
+            self.parts.append(NvmePart(self, nvme, bufs, tiers["host"], tiers["nvme"],
+                                       home[nvme.lo - home_lo:nvme.hi - home_lo],
+                                       pinned=self.layout.record("nvme_out").pinned))
         span = self.layout.parts[-1]
         self.master = nn.Parameter(bufs["master"], requires_grad=True)
         self.master_grad = bufs["master_grad"]

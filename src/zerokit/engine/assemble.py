@@ -20,12 +20,13 @@ from zerokit.core.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
 from zerokit.engine.executors import DeviceExecutor, HostExecutor
-from zerokit.engine import host_budget
+from zerokit.engine import host_budget, nvme_plan
+from zerokit.engine.nvme_executor import NvmeExecutor, StreamSettings, buffer_set_bytes
 from zerokit.engine.optimizer import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.schedulers import build_scheduler
 from zerokit.policy import PartitionPolicy, PlacementPolicy
-from zerokit.tiers import Ledger
+from zerokit.tiers import Ledger, NvmeTier
 from zerokit.utils.logs import configure_logging
 from zerokit.zero import adopt_constructed, retire_constructed
 
@@ -65,7 +66,11 @@ def initialize(model: nn.Module, optimizer: Any = None,
     # Where every byte goes is decided here, before anything is allocated: a plan the host
     # cannot hold is refused with the numbers (engine/host_budget.py).
     layouts = plan(placement)
-    host_budget.check_host_memory(host_budget.host_need(layouts, recipe.kind), placement)
+    need = host_budget.host_need(layouts, recipe.kind)
+    on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind, need)
+    host_budget.check_host_memory(need, placement)
+    nvme = NvmeTier(ledger, cfg.zero_optimization.offload_optimizer.nvme_path, rank=comm.rank,
+                    config=cfg.aio.engine_config()) if on_nvme else None
     units = []
     for (name, module, group, trainable, params), layout in zip(groups, layouts):
         # Weights built under zero.Init are sharded per module: gather them (one unit's worth)
@@ -75,7 +80,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
                           comm=comm, policy=policy, compute_dtype=dtype,
                           reduce_dtype=reduce_dtype(cfg),
                           bucket_numel=cfg.zero_optimization.reduce_bucket_size, ledger=ledger,
-                          grad_accum_steps=batch[2], layout=layout))
+                          grad_accum_steps=batch[2], layout=layout, nvme=nvme))
         for u in constructed:
             u.retire()
     retire_constructed(model)
@@ -92,6 +97,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
     torch_optimizer = build_optimizer(recipe, masters)
     scheduler = _scheduler(cfg, lr_scheduler, torch_optimizer, optimizer)
     executors = _executors(units, placement, torch_optimizer, ledger)
+    if nvme is not None:  # after the host executor (its worker overlaps the stream), before torch
+        executors.insert(-1, _nvme_executor(cfg, units, nvme, torch_optimizer, ledger))
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch,
                     executors)
     engine.config = config_dict(config if config is not None else config_params, cfg)
@@ -107,10 +114,40 @@ def initialize(model: nn.Module, optimizer: Any = None,
 def _layouts(groups: list, comm: Comm, policy: PartitionPolicy, dtype: torch.dtype,
              reduce: torch.dtype, accumulation: int, placement: PlacementPolicy) -> list[UnitLayout]:
     """Every unit's buffer records under `placement` (core/layout.py; pure, allocates nothing)."""
-    return [plan_layout(sum(p.numel() for _, p in params), comm.world_size, comm.rank, policy,
-                        placement, dtype, reduce, trainable=trainable, grad_accum_steps=accumulation,
-                        cuda=comm.device.type == "cuda")
-            for _name, _module, _group, trainable, params in groups]
+    layouts, ram_left = [], placement.ram_numel  # the host budget, spent in unit order
+    for _name, _module, _group, trainable, params in groups:
+        layouts.append(plan_layout(sum(p.numel() for _, p in params), comm.world_size, comm.rank,
+                                   policy, placement, dtype, reduce, trainable=trainable,
+                                   grad_accum_steps=accumulation, cuda=comm.device.type == "cuda",
+                                   ram_left=ram_left))
+        ram_left -= layouts[-1].host_numel if placement.nvme else 0
+    return layouts
+
+
+def _stream_settings(cfg) -> StreamSettings:
+    off = cfg.zero_optimization.offload_optimizer
+    return StreamSettings(cfg.zero_optimization.sub_group_size, off.buffer_count,
+                          off.pipeline_read, off.pipeline_write)
+
+
+def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None,
+                need: host_budget.HostNeed) -> bool:
+    """offload_optimizer device 'nvme': the path checked against the plan (nvme_plan.py) and the
+    stream's host buffers added to the host need. False when nothing is on NVMe."""
+    largest = max((lay.nvme_numel for lay in layouts), default=0)
+    if not placement.nvme or not largest:
+        return False
+    path = cfg.zero_optimization.offload_optimizer.nvme_path
+    nvme_plan.check_nvme_path(path, nvme_plan.nvme_need(layouts, kind))
+    need.buffers += buffer_set_bytes(_stream_settings(cfg), kind, largest)
+    return True
+
+
+def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledger: Ledger
+                   ) -> NvmeExecutor:
+    executor = NvmeExecutor(units, nvme, _stream_settings(cfg), ledger)
+    executor.bind(torch_optimizer)  # fails here, naming the optimizer, if it has no host kernel
+    return executor
 
 
 def _auto_ratio(placement: PlacementPolicy, plan, device: torch.device, dtype: torch.dtype

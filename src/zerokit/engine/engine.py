@@ -16,10 +16,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from zerokit.checkpoint.save import settle_checkpoint, wait_for_checkpoint
+from zerokit.checkpoint.interface import Fill, SavedOptimizer, SaveState, UnitRecord
 from zerokit.config.schema import ZeroKitConfig
 from zerokit.core.collectives import CollectiveError, Comm, Handle
 from zerokit.core.unit import Unit
+from zerokit.core.lease import ReadLease
+from zerokit.engine import checkpointing
 from zerokit.engine.attachment import Attachment, weakly
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
 from zerokit.engine.executors import HostExecutor
@@ -62,6 +64,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.skipped_steps = 0
         self.global_samples = 0
         self.training_dataloader = None  # set by initialize(training_data=...)
+        # An asynchronous save reads the state in place until it releases this (core/lease.py);
+        # the units share it, so an edit through GatheredParameters waits for it too.
+        self.save_lease = ReadLease()
+        for u in units:
+            u.lease = self.save_lease
         # See [Note: engine lifetime] (engine/attachment.py): hooks, threads, and their release.
         self._attachment = Attachment(module, units, comm, sharded=policy.shard_weights)
         self._attachment.executors = executors  # their workers end when the engine is released
@@ -229,7 +236,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             return
         self._phase = "step"
         t0 = time.perf_counter()
-        settle_checkpoint(self)  # an async save may still be reading the state this step changes
+        self.save_lease.settle()  # an async save may still be reading the state this step changes
         # Every collective so far agreed across ranks, before the step applies their results
         # (on CUDA the checks still in flight are waited here, where the norm / flags sync anyway).
         self.comm.settle_agreement()
@@ -436,6 +443,22 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only)
 
+    # ---- what a checkpoint sees: [Note: checkpoint interface] (checkpoint/interface.py) ---------
+    def checkpoint_units(self) -> list[UnitRecord]:
+        return [checkpointing.unit_record(u) for u in self.units]
+
+    def state_to_save(self) -> SaveState:
+        return checkpointing.state_to_save(self)
+
+    def restore_state(self, fill: Fill, optimizer: SavedOptimizer | None) -> None:
+        checkpointing.restore_state(self, fill, optimizer)
+
+    def training_scalars(self) -> dict[str, Any]:
+        return checkpointing.training_scalars(self)
+
+    def restore_training_scalars(self, scalars: dict[str, Any], *, optimizer: bool, lr_scheduler: bool) -> None:
+        checkpointing.restore_training_scalars(self, scalars, optimizer=optimizer, lr_scheduler=lr_scheduler)
+
     # ---- introspection ------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -450,7 +473,18 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return self.loss_scaler.scale
 
     def memory_report(self, peak: bool = False) -> str:
-        return self.ledger.format(f"memory on rank {self.comm.rank} ({'peak' if peak else 'now'})", peak)
+        text = self.ledger.format(f"memory on rank {self.comm.rank} ({'peak' if peak else 'now'})", peak)
+        io = self.nvme_io()
+        if io:  # ZeRO-Infinity: the last step's optimizer stream (engine/nvme_executor.py)
+            text += (f"\nnvme I/O, last step: read {io['bytes_read'] / 2**20:.2f} MiB, wrote "
+                     f"{io['bytes_written'] / 2**20:.2f} MiB, {io['gb_per_s']:.2f} GB/s over "
+                     f"{io['io_s']:.3f} s, step waited {io['wait_s']:.3f} s on I/O "
+                     f"(optimizer stream {io['step_s']:.3f} s)")
+        return text
+
+    def nvme_io(self) -> dict:
+        """The last step's NVMe I/O (bytes read / written, GB/s, seconds waited), {} without."""
+        return self.ledger.io("nvme")
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -459,7 +493,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def destroy(self) -> None:
         """Let go of the model and the process: see [Note: engine lifetime]."""
-        wait_for_checkpoint(self)  # its thread reads the state this releases
+        self.save_lease.wait()  # its thread reads the state this releases
         self.wait_for_weights()
         self._release_when_dropped.detach()
         self._attachment.release("destroyed")

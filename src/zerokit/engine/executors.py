@@ -239,7 +239,7 @@ class HostExecutor:
         self._written, self._stepped = self._stepped, []
         self._move(ExecutorState.IDLE)
 
-    # ---- checkpoints (zerokit/checkpoint/offload_state.py) ------------------------------------
+    # ---- checkpoints (engine/checkpointing.py) ---------------------------------------------------
     @property
     def pending_write_back(self) -> bool:
         """A delayed host update has finished or runs, and its weights are not yet written back."""

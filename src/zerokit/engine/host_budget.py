@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from zerokit.engine.optimizer import STATE_BYTES_PER_ELEMENT
+from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
 from zerokit.policy import PlacementPolicy
 
 GiB = 1 << 30
@@ -94,7 +94,12 @@ def check_host_memory(need: HostNeed, placement: PlacementPolicy, ranks: int | N
                       for name in ("weights", "master", "grads", "state", "buffers")
                       if getattr(need, name))
     hints = []
-    if placement.offloads:
+    if placement.nvme:
+        hints.append(f"lower zero_optimization.offload_optimizer.max_in_cpu (now "
+                     f"{placement.ram_numel} elements kept in host memory; the rest is on NVMe) "
+                     f"or zero_optimization.sub_group_size / offload_optimizer.buffer_count (the "
+                     f"stream's buffers)")
+    elif placement.offloads:
         hints.append(f"lower zero_optimization.offload_optimizer.ratio (now {placement.ratio:g}) "
                      f"to keep part of the optimizer on the device")
     if placement.delayed:

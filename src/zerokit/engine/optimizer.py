@@ -113,7 +113,3 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(v.numel() * v.element_size() for st in optimizer.state.values()
                for v in st.values() if torch.is_tensor(v))
 
-
-# Bytes of optimizer state per master element, for the start-up plan (before state exists).
-STATE_BYTES_PER_ELEMENT = {"Adam": 8, "AdamW": 8, "SGD": 4, "Adagrad": 4, "HostLion": 4, "Lion": 4,
-                           "HostAdam": 8, "HostAdagrad": 4}

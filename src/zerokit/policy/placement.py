@@ -30,6 +30,10 @@ class PlacementPolicy:
     auto: ratio "auto": `ratio` is a placeholder until engine/auto_ratio.py measures and decides.
     params_on_host: offload_param: each unit's persistent weight shard lives on the host tier.
     param_pin_memory: the host weight shards are page-locked (only where CUDA exists).
+    nvme: offload_optimizer device 'nvme' (ZeRO-Infinity): the offloaded elements' master and
+        optimizer state live in files on the nvme tier, streamed through the host kernel.
+    ram_numel: with nvme, offload_optimizer.max_in_cpu: offloaded elements per rank (first units
+        first) that stay in host memory instead; the host budget.
     """
 
     ratio: float = 0.0
@@ -40,11 +44,19 @@ class PlacementPolicy:
     auto_reason: str = ""  # what "auto" measured and picked, for the plan
     params_on_host: bool = False
     param_pin_memory: bool = False
+    nvme: bool = False
+    ram_numel: int = 0
 
     @classmethod
     def from_config(cls, zero_cfg) -> "PlacementPolicy":
         off, par = zero_cfg.offload_optimizer, zero_cfg.offload_param
         params = {"params_on_host": par.device == "cpu", "param_pin_memory": par.pin_memory}
+        if off.device == "nvme":
+            if off.ratio == "auto":
+                raise ValueError("offload_optimizer.ratio 'auto' with device 'nvme' is not "
+                                 "implemented; give a number in [0, 1]")
+            return cls(float(off.ratio), off.pin_memory, nvme=True, ram_numel=off.max_in_cpu,
+                       **params)
         if off.device != "cpu":
             return cls(**params)
         auto = off.ratio == "auto"
@@ -61,6 +73,15 @@ class PlacementPolicy:
             return length
         k = round(self.ratio * length / SPLIT_ALIGN) * SPLIT_ALIGN
         return max(0, min(length, k))
+
+    def ram_split(self, offloaded: int, ram_left: int) -> int:
+        """With nvme: of a unit's `offloaded` elements, how many stay in host memory when
+        `ram_left` elements of the budget remain (64-aligned unless all of them fit)."""
+        if not self.nvme:
+            return offloaded
+        if ram_left >= offloaded:
+            return offloaded
+        return max(0, ram_left // SPLIT_ALIGN * SPLIT_ALIGN)
 
     def tier(self, piece: str, host_part: bool) -> str:
         """The ledger tier of `piece` ('master', 'optimizer_state', 'grads') for one part."""
@@ -80,6 +101,9 @@ class PlacementPolicy:
                 if self.ratio >= 1.0 else
                 f"Twin-Flow: {self.ratio:.3g} of each optimizer shard on the host, "
                 f"{1 - self.ratio:.3g} on the device, stepped at the same time")
+        if self.nvme:
+            what += (f"; ZeRO-Infinity: master + optimizer state on NVMe, streamed in sub-groups "
+                     f"(up to {self.ram_numel} elements per rank kept in host memory)")
         if self.auto_reason:
             what += f" (auto: {self.auto_reason})"
         if self.delayed:

@@ -29,6 +29,7 @@ class Ledger:
         self._current: dict[tuple[str, str], int] = defaultdict(int)
         self._peak: dict[tuple[str, str], int] = defaultdict(int)
         self._external: dict[str, Callable[[], int]] = {}
+        self._io: dict[str, dict[str, float]] = {}  # tier -> its last step's I/O report
 
     def _tier(self, t: torch.Tensor, tier: str | None) -> str:
         if tier is not None:
@@ -73,6 +74,14 @@ class Ledger:
     def track_external(self, name: str, tier: str, read_bytes: Callable[[], int]) -> None:
         """A byte count kept elsewhere (the NVMe swapper), read when the ledger is read."""
         self._external[f"{tier}:{name}"] = read_bytes
+
+    def record_io(self, tier: str, report: dict[str, float]) -> None:
+        """A step's I/O on `tier` (the nvme executor's: bytes read / written, GB/s, wait)."""
+        self._io[tier] = dict(report)
+
+    def io(self, tier: str = "nvme") -> dict[str, float]:
+        """The last step's I/O report on `tier`, {} if none ran."""
+        return dict(self._io.get(tier, {}))
 
     def bytes(self, tier: str | None = None, kind: str | None = None, peak: bool = False) -> int:
         table = self._peak if peak else self._current

@@ -4,8 +4,7 @@ The ledger's numbers are therefore the bytes the tiers allocated, not a second c
 a plan, the start-up report, a budget and a test all read what was allocated. `DeviceTier` holds
 the compute device's memory (the CPU itself on a CPU-only run, which the ledger still calls
 "device"), `HostTier` host memory, page-locked where a buffer crosses to a CUDA device. The NVMe
-tier (files through io/aio.py) implements the same three operations when ZeRO-Infinity enters
-the engine.
+tier (tiers/nvme.py: file ranges through io/aio.py) implements the same three operations.
 
 Copies return a `CopyHandle`: on CUDA the copy runs on the side stream (tiers/transfer.py) and
 `wait()` orders the current stream after it; elsewhere it is a synchronous copy and `wait()` is
@@ -92,6 +91,10 @@ class HostTier(Tier):
         return torch.empty(numel, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
 
 
-def tiers_for(ledger: Ledger, device: torch.device) -> dict[str, Tier]:
-    """The tiers a unit on `device` allocates from, by name (the nvme tier joins with Infinity)."""
-    return {"device": DeviceTier(ledger, device), "host": HostTier(ledger)}
+def tiers_for(ledger: Ledger, device: torch.device, nvme=None) -> dict:
+    """The tiers a unit on `device` allocates from, by name; `nvme` (a tiers/nvme.py NvmeTier,
+    shared by every unit of the engine) where the placement puts anything on NVMe."""
+    tiers = {"device": DeviceTier(ledger, device), "host": HostTier(ledger)}
+    if nvme is not None:
+        tiers["nvme"] = nvme
+    return tiers

