@@ -19,26 +19,35 @@ RANK_ROWS = {0: (0, 10), 1: (20, 30)}
 UNUSED_TILES = ("emb.tiles.1", "emb.tiles.3")
 
 
-class Plain(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, D, padding_idx=3)
-        self.proj = nn.Linear(D, H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.head(torch.tanh(self.proj(self.emb(x))))
-        return F.cross_entropy(logits.view(-1, V), y.reshape(-1))
-
-
-class Tiled(Plain):
-    def __init__(self) -> None:
+class Block(nn.Module):
+    def __init__(self, tiled: bool) -> None:
         import zerokit
 
-        nn.Module.__init__(self)
-        self.emb = zerokit.zero.TiledEmbedding(V, D, num_tiles=4, padding_idx=3)
-        self.proj = zerokit.zero.TiledLinear(D, H, in_splits=2, out_splits=3)
-        self.head = zerokit.zero.TiledLinear(H, V, bias=False, out_splits=2)
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.proj = zerokit.zero.TiledLinear(D, H, in_splits=2, out_splits=3) if tiled else nn.Linear(D, H)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(self.norm(h)))
+
+
+class Plain(nn.Module):
+    """An embedding, a block (a unit) holding a linear layer, a head. Tiled: the block's layer is
+    tiled inside the block's unit, so tiles are units nested in it ([Note: tiles])."""
+
+    def __init__(self, tiled: bool = False) -> None:
+        import zerokit
+
+        super().__init__()
+        self.emb = (zerokit.zero.TiledEmbedding(V, D, num_tiles=4, padding_idx=3) if tiled
+                    else nn.Embedding(V, D, padding_idx=3))
+        self.blocks = nn.ModuleList([Block(tiled)])
+        self.head = (zerokit.zero.TiledLinear(H, V, bias=False, out_splits=2) if tiled
+                     else nn.Linear(H, V, bias=False))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.blocks[0](self.emb(x)))
+        return F.cross_entropy(logits.view(-1, V), y.reshape(-1))
 
 
 def _plain() -> Plain:
@@ -62,8 +71,10 @@ def _stitch(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return torch.cat([torch.cat([state[f"{prefix}.linears.{o}.{i}.weight"] for i in range(cols)], 1)
                           for o in range(rows)])
     return {"emb.weight": torch.cat([state[f"emb.tiles.{t}.weight"] for t in range(4)]),
-            "proj.weight": linear("proj", 3, 2),
-            "proj.bias": torch.cat([state[f"proj.linears.{o}.1.bias"] for o in range(3)]),
+            "blocks.0.norm.weight": state["blocks.0.norm.weight"],
+            "blocks.0.norm.bias": state["blocks.0.norm.bias"],
+            "blocks.0.proj.weight": linear("blocks.0.proj", 3, 2),
+            "blocks.0.proj.bias": torch.cat([state[f"blocks.0.proj.linears.{o}.1.bias"] for o in range(3)]),
             "head.weight": linear("head", 2, 1)}
 
 
@@ -79,40 +90,52 @@ def _count_gathers(engine) -> dict[str, int]:
     return counts
 
 
-def _train(rank: int, world: int, stages: tuple[int, ...]) -> list:
+def _train(rank: int, world: int, cases: tuple[tuple[int, bool], ...]) -> list:
+    """(stage, built under zero.Init) per case -> (case, gathers per unit, trained weights)."""
     import zerokit
 
     results = []
-    for stage in stages:
+    for stage, under_init in cases:
+        config = {"train_micro_batch_size_per_gpu": MICRO, "comm_timeout_s": 30,
+                  "optimizer": {"type": "SGD", "params": {"lr": LR}},
+                  "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
         torch.manual_seed(1)  # other values than the reference's: copy_params_from must replace them
-        engine, *_ = zerokit.initialize(model=Tiled(), config={
-            "train_micro_batch_size_per_gpu": MICRO, "comm_timeout_s": 30,
-            "optimizer": {"type": "SGD", "params": {"lr": LR}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+        if under_init:
+            with zerokit.zero.Init(config=config):
+                model = Plain(tiled=True)
+                model.emb.copy_params_from(_plain().emb)  # construction units: a collective too
+        else:
+            model = Plain(tiled=True)
+        engine, *_ = zerokit.initialize(model=model, config=config)
         # A collective at stage 3: every rank copies, rank 0's values are kept.
         engine.module.emb.copy_params_from(_plain().emb)
-        engine.module.proj.copy_params_from(_plain().proj)
+        engine.module.blocks[0].proj.copy_params_from(_plain().blocks[0].proj)
         engine.module.head.copy_params_from(_plain().head)
+        with zerokit.zero.GatheredParameters(list(engine.module.blocks[0].norm.parameters()),
+                                             modifier_rank=0):
+            engine.module.blocks[0].norm.load_state_dict(_plain().blocks[0].norm.state_dict())
         counts = _count_gathers(engine)
         for x, y in _batches(world):
             rows = slice(rank * MICRO, (rank + 1) * MICRO)
             engine.backward(engine(x[rows], y[rows]))
             engine.step()
-        results.append((stage, counts, engine.consolidated_fp32_state_dict()))
+        results.append(((stage, under_init), counts, engine.consolidated_fp32_state_dict()))
     return results
 
 
 def test_tiled_model_trains_like_the_plain_model_and_skips_unused_tiles() -> None:
     for world in (1, 2):
         _, expected = reference_train(_plain, lambda p: torch.optim.SGD(p, lr=LR), _batches(world))
-        for rank_results in run_world(_train, world, (3, 2) if world == 2 else (3,), timeout=240):
-            for stage, counts, state in rank_results:
+        cases = ((3, False), (3, True)) + (((2, False),) if world == 2 else ())
+        for rank_results in run_world(_train, world, cases, timeout=240):
+            for case, counts, state in rank_results:
                 got = _stitch(state)
                 for name, ref in expected.items():
                     torch.testing.assert_close(got[name], ref, rtol=1e-6, atol=1e-6,
-                                               msg=lambda m: f"world {world} stage {stage} {name}: {m}")
-                if stage == 3:
-                    assert counts["emb.tiles.0"] > 0 and counts["proj.linears.2.1"] > 0, counts
+                                               msg=lambda m: f"world {world} {case} {name}: {m}")
+                if case[0] == 3:
+                    assert counts["emb.tiles.0"] > 0 and counts["blocks.0.proj.linears.2.1"] > 0, counts
+                    assert counts["blocks.0"] > 0, counts  # the block's own unit: its norm
                     assert {t: counts[t] for t in UNUSED_TILES} == {t: 0 for t in UNUSED_TILES}, counts
         # The test can fail: the looked-up tiles moved, the padding row and unused rows did not.
         start = _plain().emb.weight

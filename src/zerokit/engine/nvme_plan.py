@@ -14,7 +14,7 @@ import shutil
 import tempfile
 
 from zerokit.engine.host_budget import local_ranks, size
-from zerokit.engine.optimizer import STATE_BYTES_PER_ELEMENT
+from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
 
 
 class NvmePathError(OSError):
