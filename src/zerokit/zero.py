@@ -1,6 +1,7 @@
-"""ZeRO-3 helpers users know from DeepSpeed: GatheredParameters (and Init, below), and
+"""ZeRO-3 helpers users know from DeepSpeed: GatheredParameters (and Init, below),
 load_pretrained_sharded (zerokit/pretrained.py): safetensors weights streamed into a model built
-under Init, each rank reading only its shard."""
+under Init, each rank reading only its shard, and TiledLinear / TiledEmbedding (zerokit/tiling.py):
+layers split into tiles that are units of their own."""
 from __future__ import annotations
 
 import weakref
