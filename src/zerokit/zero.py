@@ -1,6 +1,7 @@
-"""ZeRO-3 helpers users know from DeepSpeed: GatheredParameters (and Init, below), and
+"""ZeRO-3 helpers users know from DeepSpeed: GatheredParameters (and Init, below),
 load_pretrained_sharded (zerokit/pretrained.py): safetensors weights streamed into a model built
-under Init, each rank reading only its shard."""
+under Init, each rank reading only its shard, and TiledLinear / TiledEmbedding (zerokit/tiling.py):
+layers split into tiles that are units of their own."""
 from __future__ import annotations
 
 import weakref
@@ -13,6 +14,7 @@ from zerokit.core.leaf import get_leaf_modules, set_leaf_modules, unset_leaf_mod
 from zerokit.core.unit import Unit, WeightState, unit_of
 from zerokit.policy import PlacementPolicy
 from zerokit.pretrained import LoadReport, load_pretrained_sharded  # noqa: F401  (public here)
+from zerokit.tiling import TiledEmbedding, TiledLinear, TiledLinearReturnBias  # noqa: F401  (public here)
 
 # DeepSpeed's names (deepspeed.utils.set_z3_leaf_modules ...): see [Note: leaf modules].
 set_z3_leaf_modules, unset_z3_leaf_modules, get_z3_leaf_modules = (

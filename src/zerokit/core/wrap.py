@@ -6,6 +6,14 @@ wrapped module, parameters are further split by optimizer param group and by req
 a unit's master shard is stepped with one group's hyperparameters and frozen weights have no
 gradient or optimizer state. A parameter shared by several modules (tied embedding and head)
 belongs to the first unit that holds it, in `named_parameters` order.
+
+[Note: tiles]
+A tile (each piece of zerokit.zero.TiledLinear / TiledEmbedding, marked with TILE_ATTR) is a unit
+of its own, whatever the policy chose around it: a layer larger than the gather budget is then
+gathered and released piece by piece at stage 3. So a tile may sit inside a wrapped module (a
+transformer block holding a TiledLinear); its parameters belong to the tile's unit, the block's
+unit keeps the rest, and each module's hooks gather its own unit. A tile inside a leaf module
+gives way to the leaf ([Note: leaf modules]), which must be gathered whole.
 """
 from __future__ import annotations
 
@@ -16,6 +24,21 @@ import torch.nn as nn
 from zerokit.core.leaf import keep_leaves_whole
 
 WrapPolicy = Callable[[str, nn.Module], bool]
+TILE_ATTR = "_zerokit_tile"  # see [Note: tiles]
+
+
+def is_tile(module: nn.Module) -> bool:
+    return bool(getattr(module, TILE_ATTR, False))
+
+
+def with_tiles(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The policy's choice plus every tile (see [Note: tiles]), in registration order."""
+    names = {name for name, _ in chosen}
+    tiles = [(n, m) for n, m in model.named_modules() if n and is_tile(m) and n not in names]
+    if not tiles:
+        return chosen
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(chosen + tiles, key=lambda item: order[item[0]])
 
 
 def default_wrap_policy(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -37,7 +60,7 @@ def select_modules(model: nn.Module, wrap: "Iterable[type] | WrapPolicy | None"
                    ) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every wrapped module, outermost only, in registration order."""
     if wrap is None:
-        return keep_leaves_whole(model, default_wrap_policy(model))
+        return keep_leaves_whole(model, with_tiles(model, default_wrap_policy(model)))
     if callable(wrap) and not isinstance(wrap, type):
         predicate = wrap
     else:
@@ -55,7 +78,7 @@ def select_modules(model: nn.Module, wrap: "Iterable[type] | WrapPolicy | None"
         if predicate(name, module):
             chosen.append((name, module))
             taken.append(name)
-    return keep_leaves_whole(model, chosen)  # see [Note: leaf modules]
+    return keep_leaves_whole(model, with_tiles(model, chosen))  # see [Note: leaf modules]
 
 
 def group_parameters(model: nn.Module, wrapped: list[tuple[str, nn.Module]],
@@ -66,7 +89,9 @@ def group_parameters(model: nn.Module, wrapped: list[tuple[str, nn.Module]],
     group_of maps id(param) -> optimizer param-group index; a parameter in no group is frozen.
     """
     owner: dict[int, str] = {}
-    for prefix, module in wrapped:
+    # A module inside another wrapped one (a tile, see [Note: tiles]) claims its parameters first.
+    nested = [(n, m) for n, m in wrapped if any(n.startswith(o + ".") for o, _ in wrapped)]
+    for prefix, module in nested + [w for w in wrapped if w not in nested]:
         for p in module.parameters():
             owner.setdefault(id(p), prefix)
     buckets: dict[tuple[str, int, bool], list[tuple[str, nn.Parameter]]] = {}

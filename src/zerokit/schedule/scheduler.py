@@ -140,11 +140,16 @@ class Stage3Scheduler:
         """Is the unit used again within max_reuse_distance elements of other units' use?"""
         if not self._following:
             return False
-        distance = 0
+        distance, largest = 0, 0
         for u in self.trace[self._pos:]:
             if u is unit:
-                return self._live_numel() <= self.max_live_numel
+                # Kept only if each use before the reuse still fits beside it: those gathers are
+                # unconditional, so a kept unit would otherwise push the live elements past the
+                # budget (a tiled layer's tiles, each kept for backward, all gathered at once).
+                return self._live_numel() + largest <= self.max_live_numel
             distance += u.padded_numel
             if distance > self.max_reuse_distance:
                 return False
+            if not u.persistent:
+                largest = max(largest, u.padded_numel)
         return False
