@@ -65,6 +65,21 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostPar
                     f"has no host kernel; offload supports {SUPPORTED}")
 
 
+def bind_parts(optimizer: torch.optim.Optimizer, parts) -> tuple[str, Callable]:
+    """The host kernel for `optimizer` (kernel_for), each part's param group and its initial
+    state; fails, naming the optimizer, where no kernel exists (host and NVMe executors alike)."""
+    family, step_fn = kernel_for(optimizer)
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise ValueError(f"zero_optimization.offload_optimizer: {type(optimizer).__name__}"
+                         f"(amsgrad=True) has no host kernel; set amsgrad=False")
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    for part in parts:
+        part.group = group_of[id(part.unit.master)]
+        fill = optimizer.param_groups[part.group].get("initial_accumulator_value", 0.0)
+        part.init_state(family, fill if family == "adagrad" else 0.0)
+    return family, step_fn
+
+
 class DeviceExecutor:
     """Torch's optimizer over the device parts (`unit.master`, gradient `unit.master_grad`).
 
@@ -149,16 +164,8 @@ class HostExecutor:
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Follow `optimizer`'s param groups; fails here, naming it, if it has no host kernel."""
-        self.family, self._step_fn = kernel_for(optimizer)
-        if any(g.get("amsgrad") for g in optimizer.param_groups):
-            raise ValueError(f"zero_optimization.offload_optimizer: {type(optimizer).__name__}"
-                             f"(amsgrad=True) has no host kernel; set amsgrad=False")
+        self.family, self._step_fn = bind_parts(optimizer, self.shards)
         self.optimizer = optimizer
-        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        for s in self.shards:
-            s.group = group_of[id(s.unit.master)]
-            fill = optimizer.param_groups[s.group].get("initial_accumulator_value", 0.0)
-            s.init_state(self.family, fill if self.family == "adagrad" else 0.0)
 
     @property
     def delaying(self) -> bool:

@@ -29,7 +29,7 @@ import torch
 from zerokit.core.nvme_part import NvmePart, host_buffer
 from zerokit.core.parts import STATE_NAMES
 from zerokit.core.states import ExecutorState, move
-from zerokit.engine.executors import kernel_for
+from zerokit.engine.executors import bind_parts
 from zerokit.tiers.nvme import NvmeHandle, NvmeTier
 
 
@@ -94,16 +94,8 @@ class NvmeExecutor:
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Follow `optimizer`'s param groups; fails here, naming it, if it has no host kernel."""
-        self.family, self._step_fn = kernel_for(optimizer)
-        if any(g.get("amsgrad") for g in optimizer.param_groups):
-            raise ValueError(f"zero_optimization.offload_optimizer: {type(optimizer).__name__}"
-                             f"(amsgrad=True) has no host kernel; set amsgrad=False")
+        self.family, self._step_fn = bind_parts(optimizer, self.parts)
         self.optimizer = optimizer
-        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        for s in self.parts:
-            s.group = group_of[id(s.unit.master)]
-            fill = optimizer.param_groups[s.group].get("initial_accumulator_value", 0.0)
-            s.init_state(self.family, fill if self.family == "adagrad" else 0.0)
 
     def set_bytes(self) -> int:
         """Host bytes of the buffer sets (what the host budget counts for the stream)."""
