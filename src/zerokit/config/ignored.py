@@ -107,7 +107,7 @@ IGNORED: dict[str, Ignored] = {
         ("comms_logger", "zerokit logs no per-collective timings (a collective that hangs fails "
          "after comm_timeout_s, naming itself)", ()),
         ("flops_profiler", "zerokit has no FLOPs profiler (use torch.profiler)", ()),
-        ("autotuning", "zerokit has no autotuner; `zerokit estimate` shows the memory per plan", ()),
+        ("autotuning", "zerokit has no autotuner; `initialize` prints the memory plan per tier and refuses one that does not fit", ()),
         ("memory_breakdown", "zerokit prints no per-step memory lines; engine.memory_report() and the "
          "start-up plan give the bytes per tier from its ledger", (False,)),
         ("hybrid_engine", "DeepSpeed's RLHF generation engine; zerokit runs the module's own "
