@@ -52,8 +52,23 @@ def _existing_group() -> ExistingGroup | None:
     return ExistingGroup(dist.get_backend(), bound.index if bound is not None else None)
 
 
-def _destroy_group() -> None:
-    if dist.is_initialized():
+# Heartbeat threads still beating, and whether zerokit created the process group: both are ended
+# by _at_exit, before the interpreter finalizes (see there).
+_BEATS: "set[tuple[threading.Event, threading.Thread]]" = set()
+_CREATED_GROUP = False
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Interpreter finalization ends a daemon thread that is inside a native call (a heartbeat's
+    store.set) by unwinding it through C++ frames, which aborts the process ('terminate called
+    without an active exception', exit -6 instead of the code the program chose); a process group
+    still alive then makes gloo abort the same way. So: stop and join the beats, then destroy the
+    group zerokit created (a user's group is the user's to destroy)."""
+    for stop, thread in list(_BEATS):
+        stop.set()
+        thread.join(timeout=10)
+    if _CREATED_GROUP and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:
@@ -114,9 +129,8 @@ class Comm:
             backend = "nccl" if device.type == "cuda" else "gloo"
             kwargs = {"device_id": device} if backend == "nccl" else {}
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-            # A process group still alive at interpreter exit makes gloo abort ("terminate called
-            # without an active exception"): the group zerokit created, zerokit destroys.
-            atexit.register(_destroy_group)
+            global _CREATED_GROUP
+            _CREATED_GROUP = True  # destroyed at exit: see _at_exit
         comm = cls(dist.get_rank(), dist.get_world_size(), dist.get_backend(), device, timeout_s)
         comm._start_heartbeat()
         comm._start_agreement()
@@ -175,15 +189,20 @@ class Comm:
         # The thread holds the store and the stop event, not the Comm: a Comm nobody closed (an
         # engine dropped without destroy(), zero.Init's) is still collected, and stops its beat.
         def beat() -> None:
-            while not stop.wait(HEARTBEAT_S):
-                try:
+            try:
+                while not stop.wait(HEARTBEAT_S):
                     store.set(key, repr(time.time()))
-                except Exception:
-                    return
+            except Exception:
+                pass
+            finally:
+                _BEATS.discard(entry)
 
         store.set(key, repr(time.time()))
         weakref.finalize(self, stop.set)
-        threading.Thread(target=beat, name="zerokit-heartbeat", daemon=True).start()
+        thread = threading.Thread(target=beat, name="zerokit-heartbeat", daemon=True)
+        entry = (stop, thread)
+        _BEATS.add(entry)
+        thread.start()
 
     def close(self) -> None:
         self._beat_stop.set()
