@@ -83,7 +83,7 @@ def train(args) -> int:
             first = step_loss if first is None else first
             last = ema
             dt = time.perf_counter() - t0
-            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", lr=f"{engine.get_lr()[0]:.2e}")
+            bar.set_postfix(_bar_postfix(engine, ema, tokens_per_step / dt))
             bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - start
@@ -103,6 +103,19 @@ def train(args) -> int:
             print(f"\n{text}\n  process RSS on rank {r}: {now / 2**20:,.0f} MiB now, {top / 2**20:,.0f} MiB peak")
     engine.destroy()
     return 0
+
+
+def _bar_postfix(engine, loss: float, tokens_per_s: float) -> dict[str, str]:
+    """What the bar shows after each step; with NVMe offload also the step's I/O (bytes moved,
+    the rate achieved, and how long the step waited on it), the numbers memory_report prints."""
+    shown = {"loss": f"{loss:.3f}", "tok_s": f"{tokens_per_s:,.0f}", "lr": f"{engine.get_lr()[0]:.2e}"}
+    io = engine.nvme_io()
+    if io:
+        from zerokit.engine.host_budget import size
+
+        moved = size(int(io["bytes_read"] + io["bytes_written"]))
+        shown["nvme"] = f"{moved} at {io['gb_per_s']:.2f} GB/s, waited {io['wait_s']:.2f}s"
+    return shown
 
 
 def _log_lines_above(bar):

@@ -7,6 +7,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 
 from harness import run_world
 from reference import engine_train, global_batches, tiny_gpt
@@ -80,6 +81,30 @@ def _cli(rank: int, world: int) -> dict[str, str]:
         cli.main(["train", "--steps", "2", "--layers", "1", "--width", "32", "--heads", "2",
                   "--seq", "16", "--micro-batch", "2"])
     return {"stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def _cli_nvme(rank: int, world: int, swap: str) -> dict[str, str]:
+    import json
+
+    from zerokit import cli
+
+    _fresh_logging()
+    cfg = os.path.join(swap, "nvme.json")
+    with open(cfg, "w") as f:
+        json.dump({"zero_optimization": {"stage": 2, "offload_optimizer": {
+            "device": "nvme", "nvme_path": swap}}}, f)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        cli.main(["train", "--steps", "2", "--layers", "1", "--width", "32", "--heads", "2",
+                  "--seq", "16", "--micro-batch", "2", "--config", cfg])
+    return {"stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def test_cli_bar_shows_the_nvme_io_of_each_step(tmp_path) -> None:
+    (rank0,) = run_world(_cli_nvme, 1, str(tmp_path))
+    # the optimizer stream of the last step: master + two Adam moments, read and written
+    bar = [line for line in rank0["stdout"].replace("\r", "\n").splitlines() if "2/2" in line]
+    assert bar and re.search(r"nvme=\d+\.\d+ [MG]iB at \d+\.\d\d GB/s, waited \d+\.\d\ds", bar[-1]), rank0["stdout"]
 
 
 def test_cli_shows_the_plan_once_on_rank0() -> None:
