@@ -22,14 +22,16 @@ _LAZY = {
     "initialize": ("zerokit.engine.assemble", "initialize"),
     "Engine": ("zerokit.engine.engine", "Engine"),
     "NonFiniteError": ("zerokit.engine.health", "NonFiniteError"),
+    "EngineFailedError": ("zerokit.core.states", "EngineFailedError"),
     "PREEMPTED_EXIT_CODE": ("zerokit.engine.preemption", "PREEMPTED_EXIT_CODE"),
 }
-__all__ = ["zero", "CollectiveError", "ConfigError", "Engine", "NonFiniteError", "PREEMPTED_EXIT_CODE",
+__all__ = ["zero", "CollectiveError", "ConfigError", "Engine", "EngineFailedError", "NonFiniteError", "PREEMPTED_EXIT_CODE",
            "ZeroKitConfig", "initialize", "load_config"]
 
 if TYPE_CHECKING:
     from zerokit.engine.assemble import initialize
     from zerokit.engine.engine import Engine
+    from zerokit.core.states import EngineFailedError
     from zerokit.engine.health import NonFiniteError
     from zerokit.engine.preemption import PREEMPTED_EXIT_CODE
 

@@ -12,7 +12,6 @@ a save after the crash must clean up what the killed one left.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import tempfile
@@ -22,7 +21,7 @@ import time
 import pytest
 import torch
 
-from harness import _entry, run_world
+from harness import _entry, _ranks_context, run_world
 from reference import tiny_gpt
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -113,14 +112,13 @@ class _Discard:
 
 
 def _run_until_killed(fn, world: int, *args, timeout: float = 60.0) -> list[int]:
-    """Like harness.run_world, but the ranks fork from a preloaded forkserver (no per-case import
-    of torch: these cases are many and short), and a killed world is the expected outcome.
-    Returns the ranks' exit codes."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "zerokit", "harness", "reference", __name__])
+    """Like harness.run_world (its forkserver, its rank entry), but a killed world is the
+    expected outcome. Returns the ranks' exit codes."""
+    ctx = _ranks_context()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_entry, args=(fn, r, world, os.path.join(tmp, "store"), 10.0, _Discard(),
-                                                   args, {}), daemon=True) for r in range(world)]
+                                                   dict(os.environ), os.getcwd(), args, {}), daemon=True)
+                 for r in range(world)]
         for p in procs:
             p.start()
         # Once a rank is dead the others can only fail; they are killed too (after a grace

@@ -118,3 +118,42 @@ def test_hooks_tell_recomputation_from_forward(use_reentrant) -> None:
     assert engine.training_state is TrainingState.IDLE
     engine.step()
     engine.destroy()
+
+
+@pytest.mark.parametrize("failure", ["collective", "nvme", "other"])
+def test_a_step_that_leaves_inconsistent_state_fails_the_engine(failure) -> None:
+    """A step failing in a collective (the ranks may not agree) or on the NVMe tier (swap files
+    partly written) makes the engine FAILED: forward, backward and step then raise, saying why
+    and what to do; any other failure leaves an engine that trains on (engine._abandon_step)."""
+    import zerokit
+    from zerokit.core.collectives import CollectiveError
+    from zerokit.core.states import TrainingState
+    from zerokit.io.aio import AioError
+
+    engine = _engine(2, offload=False)
+    errors = {"collective": CollectiveError("all_gather of unit 'x' timed out"),
+              "nvme": AioError(28, "writing", "/swap/x.swp", offset=0),
+              "other": RuntimeError("a bug in a user's optimizer hook")}
+    run = engine._run_optimizer
+
+    def failing(*args, **kwargs):
+        engine._run_optimizer = run
+        raise errors[failure]
+    engine._run_optimizer = failing
+    x = torch.randint(0, 256, (MICRO, 16))
+    engine.backward(engine(x, x))
+    with pytest.raises(type(errors[failure])):
+        engine.step()
+    if failure == "other":
+        engine.backward(engine(x, x))
+        engine.step()
+        assert engine.global_steps == 1
+    else:
+        assert engine.training_state is TrainingState.FAILED
+        hint = "restart the job" if failure == "collective" else "load the last checkpoint"
+        for attempt in (lambda: engine(x, x), lambda: engine.step(),
+                        lambda: engine.backward(torch.ones((), requires_grad=True))):
+            with pytest.raises(zerokit.EngineFailedError, match=hint) as e:
+                attempt()
+            assert str(errors[failure]) in str(e.value)
+    engine.destroy()

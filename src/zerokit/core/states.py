@@ -17,6 +17,11 @@ class IllegalTransition(RuntimeError):
     """A state owner was asked to make a move its transition table does not allow."""
 
 
+class EngineFailedError(RuntimeError):
+    """The engine is FAILED (see TrainingState): the message says which step failed, how, and
+    what to do (restart, or load the last checkpoint into a new engine)."""
+
+
 class WeightState(Enum):
     """Where a unit's full compute weights are. ZeRO-Infinity adds "on NVMe" and "fetching"."""
 
@@ -40,6 +45,9 @@ class TrainingState(Enum):
     FORWARD = "forward"
     RECOMPUTE = "recompute"  # a forward run again inside backward (activation checkpointing)
     BACKWARD = "backward"
+    # A step failed leaving state no later step may build on (a collective the ranks may not
+    # agree on; NVMe-resident master or optimizer state partly written): terminal.
+    FAILED = "failed"
 
 
 LEGAL: dict[Enum, frozenset] = {
@@ -50,11 +58,12 @@ LEGAL: dict[Enum, frozenset] = {
     ExecutorState.IDLE: frozenset({ExecutorState.RUNNING, ExecutorState.WRITE_BACK_PENDING}),
     ExecutorState.RUNNING: frozenset({ExecutorState.IDLE, ExecutorState.WRITE_BACK_PENDING}),
     ExecutorState.WRITE_BACK_PENDING: frozenset({ExecutorState.IDLE}),
-    TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD}),
+    TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD, TrainingState.FAILED}),
     TrainingState.FORWARD: frozenset({TrainingState.IDLE}),
     TrainingState.BACKWARD: frozenset({TrainingState.IDLE, TrainingState.RECOMPUTE}),
     # back to backward when the recomputed module returns; idle when backward raised inside it
     TrainingState.RECOMPUTE: frozenset({TrainingState.BACKWARD, TrainingState.IDLE}),
+    TrainingState.FAILED: frozenset(),
 }
 
 

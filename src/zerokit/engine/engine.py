@@ -25,7 +25,7 @@ from zerokit.engine import checkpointing
 from zerokit.engine.attachment import Attachment, weakly
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
 from zerokit.engine.executors import HostExecutor
-from zerokit.core.states import TrainingState, move
+from zerokit.core.states import EngineFailedError, TrainingState, move
 from zerokit.engine.health import LossWatch, describe_position, handle_nonfinite, reduce_step_scalars
 from zerokit.engine.precision import LossScaler, cast_inputs_half
 from zerokit.engine.preemption import Preemption
@@ -57,6 +57,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._last_grad_norm: float | None = None  # get_global_grad_norm: the last step's
         self._abandoned_step: int | None = None  # this rank's optimizer raised at that step
+        self._failure = ""  # why the engine is FAILED (see _fail)
         self.tput_timer = ThroughputTimer(batch[0])
         self.loss_scaler = LossScaler.from_config(config)
         self.global_steps = 0
@@ -122,6 +123,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return next((e for e in self.executors if isinstance(e, HostExecutor)), None)
 
     def _move(self, new: TrainingState) -> None:
+        if self.training_state is TrainingState.FAILED:
+            raise EngineFailedError(self._failure)
         self.training_state = move(self.training_state, new, "the engine")
 
     def _start_iteration(self, *_hook_args: Any) -> None:
@@ -232,6 +235,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         When it returns, every parameter the user can reach holds the new weights (see
         [Note: weights in flight]), unless zero_optimization.async_weight_publish is set.
         """
+        if self.training_state is TrainingState.FAILED:
+            raise EngineFailedError(self._failure)
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self._micro_batch_size * self.comm.world_size
@@ -329,6 +334,13 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             note = (f"zerokit: engine.step() at global step {self.global_steps} failed in a "
                     f"collective; the ranks may no longer agree, so this engine cannot train on: "
                     f"restart the job (from the last checkpoint).")
+            self._fail(note, error)
+        elif _is_nvme_failure(error):  # the stream stopped between sub-groups' writes
+            note = (f"zerokit: engine.step() at global step {self.global_steps} failed on the "
+                    f"NVMe tier ({error}); the fp32 masters and optimizer state in the swap files "
+                    f"may be partly updated, so this engine cannot train on: free the disk and "
+                    f"load the last checkpoint.")
+            self._fail(note, error)
         else:
             self._abandoned_step = self.global_steps  # the next step tells the other ranks
             for executor in self.executors:  # join any host update still running, write it back
@@ -343,6 +355,12 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         if hasattr(error, "add_note"):  # Python 3.11+
             error.add_note(note)
         log.error(note)
+
+    def _fail(self, note: str, error: BaseException) -> None:
+        """Nothing after this may train on the engine's state: forward, backward and step raise
+        EngineFailedError with `note` (destroy() and saving what is consistent still work)."""
+        self._failure = f"{note} The failure: {type(error).__name__}: {error}"
+        self.training_state = move(self.training_state, TrainingState.FAILED, "the engine")
 
     def _publish(self, trainable: list[Unit]) -> None:
         """New master -> compute weights -> every rank, in the order forward will need them."""
@@ -501,3 +519,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.wait_for_weights()
         self._release_when_dropped.detach()
         self._attachment.release("destroyed")
+
+
+def _is_nvme_failure(error: BaseException) -> bool:
+    from zerokit.io.aio import AioError  # only a step that failed asks: no I/O engine otherwise
+
+    return isinstance(error, AioError)

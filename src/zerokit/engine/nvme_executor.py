@@ -73,9 +73,17 @@ class _BufferSet:
         return (1 + len(self.state)) * self.master.numel() * 4
 
     def wait_writes(self) -> None:
+        """Every write of the set has ended when this returns, the first failure raised after:
+        one left in flight would fail again later, in whatever waits for the I/O engine."""
         writes, self.writes = self.writes, []
+        first = None
         for h in writes:
-            h.wait()
+            try:
+                h.wait()
+            except OSError as e:
+                first = first or e
+        if first is not None:
+            raise first
 
 
 class NvmeExecutor:
