@@ -67,9 +67,16 @@ def _ranks_context():
     return _context
 
 
+# The C library reads these when a process starts: a rank forked from the server would keep the
+# server's settings, so a caller that sets one (a memory test fixing malloc's mmap threshold)
+# gets ranks spawned afresh.
+_READ_AT_PROCESS_START = ("MALLOC_", "GLIBC_TUNABLES")
+
+
 def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
               comm_timeout: float = 60.0, **kwargs: Any) -> list[Any]:
-    ctx = _ranks_context()
+    at_start = any(k.startswith(_READ_AT_PROCESS_START) for k in os.environ)
+    ctx = mp.get_context("spawn") if at_start else _ranks_context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")

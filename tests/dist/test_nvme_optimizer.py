@@ -101,7 +101,8 @@ def test_nvme_equals_cpu_offload(tmp_path, stage, dtype, world, opt):
 
 def test_host_budget_splits_and_reports(tmp_path):
     """max_in_cpu keeps the first units' elements in host memory: same weights, fewer on NVMe;
-    the I/O report counts exactly the master + Adam state of the NVMe elements, read and written."""
+    the I/O report counts exactly the master, gradient and Adam state of the NVMe elements, each
+    written and read once (the gradient written by backward, read by the step)."""
     cpu = run_world(_train, 1, _config(2, "bf16", "AdamW", "cpu", None))[0]
     full = run_world(_train, 1, _config(2, "bf16", "AdamW", "nvme", str(tmp_path)))[0]
     half = run_world(_train, 1, _config(2, "bf16", "AdamW", "nvme", str(tmp_path),
@@ -112,8 +113,8 @@ def test_host_budget_splits_and_reports(tmp_path):
     assert half["host_numel"] > 0
     assert half["host_numel"] + half["nvme_numel"] == full["nvme_numel"]
     for run in (full, half):
-        assert run["nvme_bytes"] == 12 * run["nvme_numel"]  # fp32 master + two Adam moments
-        assert run["io"]["bytes_read"] == run["io"]["bytes_written"] == 12 * run["nvme_numel"]
+        assert run["nvme_bytes"] == 16 * run["nvme_numel"]  # fp32 master, gradient, two Adam moments
+        assert run["io"]["bytes_read"] == run["io"]["bytes_written"] == 16 * run["nvme_numel"]
         assert "nvme I/O, last step" in run["report"] and "GB/s" in run["report"]
         assert run["io"]["io_s"] > 0 and run["io"]["gb_per_s"] > 0 and run["io"]["wait_s"] >= 0
 
@@ -262,3 +263,29 @@ def test_other_kernels_and_stream_settings(tmp_path, opt, stream):
     cpu, nvme = (run_world(_train_edit, 2, cfg) for cfg in configs)
     for r in range(2):
         _exact(nvme[r], cpu[r])
+
+
+def _train_accumulating(rank, world, cfg, gas):
+    import zerokit
+
+    cfg = dict(cfg, gradient_accumulation_steps=gas)
+    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    losses = engine_train(engine, global_batches(STEPS, MICRO * world * gas), rank, world, gas)
+    out = {"losses": losses, "weights": engine.consolidated_fp32_state_dict(),
+           "host_grads": engine.ledger.bytes(tier="host", kind="grads"),
+           "nvme_grads": engine.ledger.bytes(tier="nvme", kind="grads"),
+           "nvme_numel": sum(u.layout.nvme_numel for u in engine.units)}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage,dtype,gas", [(1, "fp32", 2), (2, "bf16", 2), (3, "fp32", 3)])
+def test_gradients_on_nvme_accumulate_like_cpu_offload(tmp_path, stage, dtype, gas):
+    """The nvme part's gradient lives in its file ([Note: gradients on NVMe]): none in host
+    memory, and accumulated over micro-steps (read, add, write) to cpu offload's weights."""
+    cpu = run_world(_train_accumulating, 2, _config(stage, dtype, "SGD", "cpu", None, clip=0.0), gas)
+    nvme = run_world(_train_accumulating, 2, _config(stage, dtype, "SGD", "nvme", str(tmp_path), clip=0.0), gas)
+    for r in range(2):
+        assert nvme[r]["host_grads"] == 0 and nvme[r]["nvme_grads"] == 4 * nvme[r]["nvme_numel"] > 0
+        assert nvme[r]["losses"] == cpu[r]["losses"]
+        _exact(nvme[r]["weights"], cpu[r]["weights"])

@@ -84,3 +84,39 @@ def test_narrow_out_of_range():
     assert r.narrow(2, 3).offset == 8
     with pytest.raises(ValueError, match=r"\[8, 13\)"):
         r.narrow(8, 5)
+
+
+def test_file_gradient_accumulates_zero_fills_and_norms_like_a_tensor(tier, monkeypatch):
+    """[Note: gradients on NVMe]: pieces written, re-cut accumulation read-add-written, elements
+    no piece reached read as zero, the norm from the pieces equal to the tensor's; a stale file
+    (the last step's gradient) never leaks into the next after clear()."""
+    from zerokit.core import nvme_part
+    from zerokit.core.nvme_part import FileGradient, read_range
+
+    monkeypatch.setattr(nvme_part, "GRAD_WRITES_IN_FLIGHT_BYTES", 256)  # waits while adding too
+    n = 1000
+    rng = tier.allocate("u/grad", "grads", n, torch.float32)
+    fill = _buf(n).fill_(123.0)  # the file holds a stale gradient from an earlier step
+    tier.write(rng, fill).wait()
+    grad = FileGradient(tier, rng)
+    want = torch.zeros(n)
+    g = torch.Generator().manual_seed(0)
+    for lo, hi in [(0, 300), (300, 640), (700, 1000),      # a micro-step: [640, 700) never reached
+                   (0, 300), (300, 640), (700, 1000),      # the same cut again: accumulation
+                   (100, 800)]:                            # a re-cut over several earlier pieces
+        piece = torch.randn(hi - lo, generator=g)
+        grad.add(piece, lo)
+        want[lo:hi] += piece
+    total = grad.sq_norm()
+    grad.zero_unwritten()
+    got = read_range(tier, rng)
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert total == pytest.approx(float(want.double().square().sum()), rel=1e-12)
+    assert grad.sq_norm() == pytest.approx(total, rel=1e-12)
+    grad.clear()
+    grad.add(torch.ones(10), 500)
+    grad.zero_unwritten()
+    want = torch.zeros(n)
+    want[500:510] = 1
+    assert torch.equal(read_range(tier, rng), want)
+    assert grad.sq_norm() == 10.0

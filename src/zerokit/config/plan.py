@@ -100,7 +100,7 @@ def _nvme_lines(engine: "Engine", total: int) -> list[str]:
         return []
     on_disk = engine.ledger.bytes(tier="nvme")
     return [f"    {nvme:,} of {total:,} optimizer elements on NVMe on rank {engine.comm.rank}: "
-            f"{_mib(on_disk)} in files (master + optimizer state); expected NVMe traffic per step "
+            f"{_mib(on_disk)} in files (master, gradient, optimizer state); expected NVMe traffic per step "
             f"{_mib(2 * on_disk)} (each read once and written once)"]
 
 

@@ -163,7 +163,7 @@ class OffloadOptimizerConfig(_Section):
     delayed_update: DelayedUpdateConfig = DelayedUpdateConfig()
     # device "nvme" (ZeRO-Infinity): see engine/nvme_executor.py.
     nvme_path: str | None = Field(
-        None, description="device 'nvme': the directory the fp32 master and optimizer state files "
+        None, description="device 'nvme': the directory the fp32 master, gradient and optimizer state files "
                           "go in (a zerokit-swap/rank<r> directory under it, removed on close).")
     buffer_count: Int = Field(
         4, ge=2, description="device 'nvme': host buffer sets the step streams sub-groups through "

@@ -23,8 +23,8 @@ host part's length, `r` = this rank's shard):
     host_staging fp32, [a, a + k)        pinned landing buffer for device -> host gradients (CUDA)
     nvme_*       with offload_optimizer device 'nvme' the offloaded range [a, a + k) splits:
                  [a, a + h) is the host part above (h: the max_in_cpu budget), [a + h, a + k)
-                 the nvme part: nvme_master fp32 on the nvme tier, nvme_grad0 fp32, nvme_out
-                 compute dtype, nvme_staging fp32 (CUDA) on the host
+                 the nvme part: nvme_master and nvme_grad0 fp32 on the nvme tier, nvme_out
+                 compute dtype on the host
 The host part's optimizer state is allocated when the optimizer is known (HostPart.init_state),
 through the same host tier, so the ledger counts it as allocated too.
 """
@@ -207,15 +207,13 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
 
 def _nvme_part_records(placement: PlacementPolicy, compute_dtype: torch.dtype, lo: int, hi: int,
                        cuda: bool) -> list[BufferRecord]:
-    """ZeRO-Infinity's part: the fp32 master in a file (its optimizer state joins at bind), the
-    gradient and the new compute-dtype weights in host memory (engine/nvme_executor.py)."""
+    """ZeRO-Infinity's part: the fp32 master and gradient in files (the optimizer state joins at
+    bind), as DeepSpeed swaps them; the new compute-dtype weights in host memory
+    (engine/nvme_executor.py). Gradients reach their file through small host buffers
+    (core/nvme_part.py), so no record of the part's size is needed for them in RAM."""
     f32 = torch.float32
     pin = placement.pin_memory and cuda and torch.cuda.is_available()
-    out = [BufferRecord("nvme_master", "master", "nvme", f32, lo, hi),
-           BufferRecord("nvme_grad0", "grads", "host", f32, lo, hi, pinned=pin),
-           # the step's new weights, written back to the weights' home after the stream
-           BufferRecord("nvme_out", "buffers", "host", compute_dtype, lo, hi, pinned=pin)]
-    if cuda:
-        out.append(BufferRecord("nvme_staging", "buffers", "host", f32, lo, hi,
-                                pinned=torch.cuda.is_available()))
-    return out
+    return [BufferRecord("nvme_master", "master", "nvme", f32, lo, hi),
+            BufferRecord("nvme_grad0", "grads", "nvme", f32, lo, hi),
+            # the step's new weights, written back to the weights' home after the stream
+            BufferRecord("nvme_out", "buffers", "host", compute_dtype, lo, hi, pinned=pin)]

@@ -1,12 +1,12 @@
-"""The nvme part of a unit's optimizer range: master and optimizer state in files.
+"""The nvme part of a unit's optimizer range: master, optimizer state and gradient in files.
 
-See [Note: optimizer parts] in core/parts.py. An `NvmePart` is a HostPart whose fp32 master and
-optimizer state are `FileRange`s on the nvme tier (tiers/nvme.py) instead of host tensors; its
-gradient and its new compute-dtype weights (`out16`, whatever the dtype) stay in host memory, so
-gradient arrival, the norm, clearing and the write-back of the weights are the host part's. The
-streaming executor (engine/nvme_executor.py) steps it a sub-group at a time; the few operations
-that need the whole master (an edit under GatheredParameters, `full_master`) read it whole, one
-part at a time.
+See [Note: optimizer parts] in core/parts.py. An `NvmePart` is a HostPart whose fp32 master,
+optimizer state and gradient are `FileRange`s on the nvme tier (tiers/nvme.py) instead of host
+tensors (as DeepSpeed swaps its fp32 gradient partitions); only its new compute-dtype weights
+(`out16`, whatever the dtype) stay in host memory, so the write-back of the weights is the host
+part's. The gradient arrives through `FileGradient` (below). The streaming executor
+(engine/nvme_executor.py) steps it a sub-group at a time; the few operations that need the whole
+master (an edit under GatheredParameters, `full_master`) read it whole, one part at a time.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 from zerokit.core.layout import OptimizerPart
 from zerokit.core.parts import STATE_NAMES, HostPart
 from zerokit.io.buffers import aligned_empty
-from zerokit.tiers.nvme import FileRange, NvmeTier
+from zerokit.optim import host as host_kernels
+from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
 from zerokit.tiers.tier import Tier
 
 
@@ -40,17 +41,126 @@ def fill_range(nvme: NvmeTier, rng: FileRange, values: torch.Tensor | float) -> 
     nvme.write(rng, buf).wait()
 
 
+# Gradient bytes copied out of the reduction's buckets whose writes may be in flight at once.
+GRAD_WRITES_IN_FLIGHT_BYTES = 64 << 20
+
+
+class FileGradient:
+    """A part's fp32 gradient in its file range, written as reduced pieces arrive.
+
+    [Note: gradients on NVMe]
+    A piece is copied out of the reduction's bucket into a host buffer and written
+    asynchronously (at most GRAD_WRITES_IN_FLIGHT_BYTES in flight). The file is not zeroed
+    after a step: `clear()` forgets what was written, a piece landing on elements already written
+    since (gradient accumulation) is read, added to and written back, and elements no piece
+    reached are written as zeros before the step reads them (`zero_unwritten`). The sum of squares
+    is taken from each piece as it is written (float64), so the norm costs no second read; only
+    after an accumulation that re-cut earlier pieces is the file read to recompute it.
+    """
+
+    def __init__(self, nvme: NvmeTier, rng: FileRange):
+        self.nvme, self.range = nvme, rng
+        self._writes: list[tuple[NvmeHandle, torch.Tensor]] = []  # in flight, with their buffers
+        self._written: dict[tuple[int, int], float] = {}  # [lo, hi) since clear -> sum of squares
+        self._exact = True  # the sums above cover exactly what the file holds
+
+    def add(self, piece: torch.Tensor, offset: int) -> None:
+        lo, hi = offset, offset + piece.numel()
+        buf = host_buffer(hi - lo)
+        buf.copy_(piece)
+        overlapped = [r for r in self._written if r[0] < hi and lo < r[1]]
+        if overlapped:  # accumulation: the earlier value of these elements, plus this piece
+            self.settle()
+            earlier = read_range(self.nvme, self.range.narrow(lo, hi - lo))
+            for gap_lo, gap_hi in _gaps(lo, hi, overlapped):  # never written since clear: zero
+                earlier[gap_lo - lo:gap_hi - lo] = 0.0
+            buf.add_(earlier)
+            for a, b in overlapped:  # what lies outside this piece stays written
+                del self._written[(a, b)]
+                for rest in ((a, lo), (hi, b)):
+                    if rest[0] < rest[1]:
+                        self._written[rest] = 0.0  # its share of the sum is unknown now
+                        self._exact = False
+        self._written[(lo, hi)] = host_kernels.grad_sq_norm(buf)[0]  # the host part's kernel
+        self._writes.append((self.nvme.write(self.range.narrow(lo, hi - lo), buf), buf))
+        while sum(b.numel() * 4 for _, b in self._writes) > GRAD_WRITES_IN_FLIGHT_BYTES:
+            self._writes.pop(0)[0].wait()
+
+    def settle(self) -> None:
+        """Every write in flight has ended (the first failure raised after all of them)."""
+        writes, self._writes = self._writes, []
+        first = None
+        for handle, _ in writes:
+            try:
+                handle.wait()
+            except OSError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def sq_norm(self) -> float:
+        self.settle()
+        if self._exact:
+            return sum(self._written.values())
+        total = 0.0
+        for lo, hi in self._written:
+            total += host_kernels.grad_sq_norm(read_range(self.nvme, self.range.narrow(lo, hi - lo)))[0]
+        return total
+
+    def zero_unwritten(self) -> None:
+        """Elements no piece reached since `clear` hold a stale gradient: write zeros there."""
+        for lo, hi in _gaps(0, self.range.numel, list(self._written)):
+            fill_range(self.nvme, self.range.narrow(lo, hi - lo), 0.0)
+            self._written[(lo, hi)] = 0.0
+        self.settle()
+
+    def clear(self) -> None:
+        self.settle()
+        self._written = {}
+        self._exact = True
+
+
+def _gaps(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The sub-ranges of [lo, hi) outside every range in `covered`."""
+    out, at = [], lo
+    for a, b in sorted(covered):
+        if a > at:
+            out.append((at, min(a, hi)))
+        at = max(at, b)
+        if at >= hi:
+            break
+    if at < hi:
+        out.append((at, hi))
+    return [(a, b) for a, b in out if a < b]
+
+
 class NvmePart(HostPart):
     tier = "nvme"
 
     def __init__(self, unit, span: OptimizerPart, buffers: dict, host: Tier, nvme: NvmeTier,
                  home: torch.Tensor, pinned: bool):
-        names = {"host_master": "nvme_master", "host_grad0": "nvme_grad0",
-                 "host_out16": "nvme_out", "host_staging": "nvme_staging"}
+        names = {"host_master": "nvme_master", "host_grad0": "nvme_grad0", "host_out16": "nvme_out"}
         super().__init__(unit, span, {k: buffers[v] for k, v in names.items() if v in buffers},
                          host, home, in_place=False, pinned=pinned)
         self.nvme = nvme
         self.master: FileRange
+        self.gradient = FileGradient(nvme, self.grads[0])
+
+    # ---- gradients in: a file (see [Note: gradients on NVMe]) -----------------------------------
+    def take_grad(self, part: torch.Tensor, offset: int) -> None:
+        self.gradient.add(part, offset)
+
+    def settle(self) -> None:
+        self.gradient.settle()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return torch.tensor(self.gradient.sq_norm(), dtype=torch.float64, device=self.unit.device)
+
+    def zero_grad(self) -> None:
+        self.gradient.clear()
+
+    def swap_grads(self) -> None:
+        raise NotImplementedError("the delayed parameter update with the optimizer on NVMe")
 
     def init_state(self, family: str, fill: float = 0.0) -> None:
         """The optimizer state files (zero-filled when reserved: DeepSpeed's fast_init)."""

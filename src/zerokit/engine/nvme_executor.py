@@ -1,14 +1,15 @@
 """The streaming NVMe executor: ZeRO-Infinity's optimizer step over the nvme parts.
 
 [Note: streaming the optimizer]
-Each unit's nvme part (core/nvme_part.py) keeps its fp32 master and optimizer state in files and
-its gradient and new weights in host memory. The step cuts every stepped part into sub-groups of
-`sub_group_size` elements and streams them through `buffer_count` host buffer sets (a master and
-one buffer per state tensor each): sub-group j uses set j % buffer_count. For sub-group i:
+Each unit's nvme part (core/nvme_part.py) keeps its fp32 master, optimizer state and gradient in
+files and its new weights in host memory. The step cuts every stepped part into sub-groups of
+`sub_group_size` elements and streams them through `buffer_count` host buffer sets (a master, a
+gradient and one buffer per state tensor each): sub-group j uses set j % buffer_count. For
+sub-group i:
     read    i + 1 .. i + ahead are already being read (pipeline_read; ahead = buffer_count - 2,
             leaving one set for the write of i - 1), or i is read now (no pipeline_read)
     update  the fused host kernel (the one HostExecutor runs: engine/executors.py kernel_for)
-            on the set's master and state, the part's gradient slice, writing the new weights
+            on the set's master, state and gradient, writing the new weights
             into the part's `out16` slice (for fp32 compute, a copy of the new master)
     write   master and state go back to their file ranges; waited when the set is needed again
             (pipeline_write) or at once
@@ -17,7 +18,9 @@ the weights a run with it in host memory gives, bit for bit. The update runs on 
 in `launch`; the I/O engine's own threads overlap it.
 
 I/O per step is counted by the tier's stats and kept in `last_io` (bytes read / written, GB/s over
-the I/O's wall time, the seconds the step waited on I/O), shown by `engine.memory_report()`.
+the I/O's wall time, the seconds the step waited on I/O), shown by `engine.memory_report()`; a
+step's count runs from the end of the previous step's stream, so it includes the gradients the
+backward wrote (see [Note: gradients on NVMe] in core/nvme_part.py).
 """
 from __future__ import annotations
 
@@ -64,13 +67,14 @@ class _View:
 class _BufferSet:
     def __init__(self, numel: int, names: tuple[str, ...]):
         self.master = host_buffer(numel)
+        self.grad = host_buffer(numel)  # read only: never written back
         self.state = {k: host_buffer(numel) for k in names}
         self.reads: list[NvmeHandle] = []
         self.writes: list[NvmeHandle] = []
 
     @property
     def nbytes(self) -> int:
-        return (1 + len(self.state)) * self.master.numel() * 4
+        return (2 + len(self.state)) * self.master.numel() * 4
 
     def wait_writes(self) -> None:
         """Every write of the set has ended when this returns, the first failure raised after:
@@ -99,6 +103,7 @@ class NvmeExecutor:
         self._copied = None  # CUDA event: host -> device weight copies done
         self.last_io: dict[str, float] = {}
         self.steps_io: list[dict[str, float]] = []  # every step's, for the benchmark
+        nvme.stats.reset()  # the first step's count starts here, after the files were filled
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Follow `optimizer`'s param groups; fails here, naming it, if it has no host kernel."""
@@ -124,10 +129,10 @@ class NvmeExecutor:
         groups = [dict(g) for g in self.optimizer.param_groups]
         todo = [s for s in self.parts if s.unit not in skip]
         self._move(ExecutorState.RUNNING)
-        self.nvme.stats.reset()
         start = time.perf_counter()
         try:
             for s in todo:
+                s.gradient.zero_unwritten()
                 s.steps += 1
                 s.grad_in_flight = s.grad
             self._stream(todo, groups, coef)
@@ -138,6 +143,7 @@ class NvmeExecutor:
             self._move(ExecutorState.IDLE)
             raise
         report = self.nvme.stats.snapshot()
+        self.nvme.stats.reset()
         report["step_s"] = time.perf_counter() - start
         self.last_io = report
         self.ledger.record_io("nvme", report)
@@ -196,7 +202,8 @@ class NvmeExecutor:
             s, lo, n = subs[j]
             b = sets[j % count]
             b.wait_writes()  # the set's previous sub-group is on disk before we overwrite it
-            b.reads = [self.nvme.read(s.master.narrow(lo, n), b.master[:n])]
+            b.reads = [self.nvme.read(s.master.narrow(lo, n), b.master[:n]),
+                       self.nvme.read(s.grad_in_flight.narrow(lo, n), b.grad[:n])]
             b.reads += [self.nvme.read(s.state[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
 
         for i, (s, lo, n) in enumerate(subs):
@@ -219,7 +226,7 @@ class NvmeExecutor:
                 coef: float) -> None:
         out = s.out16[lo:lo + n]
         sixteen = out.dtype != torch.float32
-        view = _View(b.master[:n], s.grad_in_flight[lo:lo + n],
+        view = _View(b.master[:n], b.grad[:n],
                      {k: v[:n] for k, v in b.state.items()}, out if sixteen else None, s.steps)
         self._step_fn(view, group, coef)
         if not sixteen:  # fp32 compute: the new weights are the new master
@@ -236,6 +243,7 @@ class NvmeExecutor:
 
 
 def buffer_set_bytes(settings: StreamSettings, family: str | None, largest_part: int) -> int:
-    """Host bytes of the stream's buffer sets: buffer_count x (master + state) x a sub-group."""
+    """Host bytes of the stream's buffer sets: buffer_count x (master + gradient + state) x a
+    sub-group."""
     states = len(STATE_NAMES.get(family or "adam", ("a", "b")))
-    return settings.buffer_count * (1 + states) * 4 * min(settings.sub_group_size, largest_part)
+    return settings.buffer_count * (2 + states) * 4 * min(settings.sub_group_size, largest_part)

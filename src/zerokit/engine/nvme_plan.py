@@ -1,6 +1,6 @@
 """Refusing an NVMe plan the swap directory cannot hold, at start-up, with the numbers and the path.
 
-With offload_optimizer device 'nvme' each rank keeps the fp32 master and optimizer state of its
+With offload_optimizer device 'nvme' each rank keeps the fp32 master, gradient and optimizer state of its
 nvme parts in files under `nvme_path` (tiers/nvme.py). Before anything is allocated
 `check_nvme_path` checks that the path exists, is a directory, can be written, and has room for
 what every rank on this machine will reserve; each failure names the path and the numbers.
@@ -22,16 +22,16 @@ class NvmePathError(OSError):
 
 
 def nvme_need(layouts: list, optimizer_kind: str | None) -> int:
-    """Bytes this rank's nvme parts reserve: the fp32 master records plus the optimizer state,
-    allocated at bind (an optimizer of unknown kind counted as Adam)."""
+    """Bytes this rank's nvme parts reserve: the fp32 master and gradient records plus the
+    optimizer state, allocated at bind (an optimizer of unknown kind counted as Adam)."""
     state = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
-    return sum(layout.bytes("nvme").get("master", 0) + state * layout.nvme_numel
-               for layout in layouts)
+    return sum(layout.bytes("nvme").get("master", 0) + layout.bytes("nvme").get("grads", 0)
+               + state * layout.nvme_numel for layout in layouts)
 
 
 def step_traffic(layouts: list, optimizer_kind: str | None) -> int:
-    """NVMe bytes one step moves on this rank: every nvme element's master and state read once
-    and written once."""
+    """NVMe bytes one step moves on this rank: every nvme element's master, gradient and state
+    written once and read once."""
     return 2 * nvme_need(layouts, optimizer_kind)
 
 
@@ -56,7 +56,7 @@ def check_nvme_path(path: str, need: int, ranks: int | None = None,
     if need * ranks > free:
         raise NvmePathError(errno.ENOSPC,
                             f"{key} {path!r} has {size(free)} free, but the plan reserves "
-                            f"{size(need)} per rank (fp32 master + optimizer state on NVMe) x "
+                            f"{size(need)} per rank (fp32 master, gradient and optimizer state on NVMe) x "
                             f"{ranks} rank(s) on this machine = {size(need * ranks)}; free space, "
                             f"choose another path, or keep more in host memory "
                             f"(offload_optimizer.max_in_cpu)")

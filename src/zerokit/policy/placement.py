@@ -30,8 +30,9 @@ class PlacementPolicy:
     auto: ratio "auto": `ratio` is a placeholder until engine/auto_ratio.py measures and decides.
     params_on_host: offload_param: each unit's persistent weight shard lives on the host tier.
     param_pin_memory: the host weight shards are page-locked (only where CUDA exists).
-    nvme: offload_optimizer device 'nvme' (ZeRO-Infinity): the offloaded elements' master and
-        optimizer state live in files on the nvme tier, streamed through the host kernel.
+    nvme: offload_optimizer device 'nvme' (ZeRO-Infinity): the offloaded elements' master,
+        gradient and optimizer state live in files on the nvme tier, streamed through the host
+        kernel.
     ram_numel: with nvme, offload_optimizer.max_in_cpu: offloaded elements per rank (first units
         first) that stay in host memory instead; the host budget.
     """
@@ -103,8 +104,8 @@ class PlacementPolicy:
                 f"{1 - self.ratio:.3g} on the device, stepped at the same time")
         if self.nvme:
             share = "all" if self.ratio >= 1.0 else f"{self.ratio:.3g}"
-            what = (f"ZeRO-Infinity: master + optimizer state of {share} of each "
-                    f"optimizer shard on NVMe (gradients in host memory), streamed in sub-groups "
+            what = (f"ZeRO-Infinity: master + gradient + optimizer state of {share} of each "
+                    f"optimizer shard on NVMe, streamed in sub-groups "
                     f"through the host kernel; up to {self.ram_numel:,} elements per rank kept "
                     f"in host memory (offload_optimizer.max_in_cpu)")
         if self.auto_reason:
