@@ -10,10 +10,19 @@ state on NVMe, bf16, AdamW, seq 128, micro-batch 1, one rank, 2 intra-op threads
 built inside the library's own `zero.Init(remote_device="nvme")`, so neither side materialises
 the whole model in RAM first. Each row is its own process (so peak RSS is that row's alone):
   ds-inf       DeepSpeed 0.19 ZeRO-Infinity (CPU accelerator, its async_io op: needs libaio-dev)
-  zk-inf       zerokit, the host budget left at its default
-  zk-inf-half  zerokit, host budget = half of DeepSpeed's peak RSS at that size (from this run, or
+  zk-inf       zerokit, DeepSpeed's placement: weights, master, gradients and optimizer state on
+               NVMe, nothing kept in host memory
+  zk-inf-ds    zerokit, host budget = DeepSpeed's peak RSS at that size (from this run, or
                --ds-rss-gib)
+  zk-inf-half  zerokit, host budget = half of that
   zk-inf-8g    zerokit, host budget 8 GiB (the "largest model that trains here" row)
+  zk-opt-nvme  zerokit, 16-bit weights in host memory (offload_param cpu), master, gradients and
+               optimizer state on NVMe (works without NVMe weights)
+A host budget becomes zerokit's own keys (`budget_keys`): the 16-bit weights stay in host memory
+if they fit (offload_param cpu; else NVMe with offload_param.max_in_cpu of them in RAM), then
+offload_optimizer.max_in_cpu keeps as many optimizer elements (16 B each: master, gradient, two
+moments) in RAM as the rest allows, after a fixed allowance for the process, activations and the
+stream's buffers.
 
 Measured outside the libraries under test: step time (wall clock around forward+backward+step),
 peak RSS (ru_maxrss), bytes read and written per step (/proc/self/io read_bytes/write_bytes: what
@@ -48,10 +57,16 @@ VOCAB, SEQ, MICRO = 32000, 128, 1
 ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 ROWS = {
     "ds-inf": ("deepspeed", None, "DeepSpeed ZeRO-Infinity"),
-    "zk-inf": ("zerokit", None, "zerokit, default host budget"),
+    "zk-inf": ("zerokit", None, "zerokit, everything on NVMe"),
+    "zk-inf-ds": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS"),
     "zk-inf-half": ("zerokit", "half", "zerokit, host budget = DeepSpeed RSS / 2"),
     "zk-inf-8g": ("zerokit", 8.0, "zerokit, host budget 8 GiB"),
+    "zk-opt-nvme": ("zerokit", "weights", "zerokit, weights in RAM, optimizer on NVMe"),
 }
+# What a zerokit row's process holds besides the budgeted states: the interpreter and torch,
+# activations at seq 128 x micro-batch 1, gathered layers, and the stream's buffer sets.
+ALLOWANCE_GIB = 1.5
+ZK_SUB_GROUP = 10_000_000  # 4 buffer sets x (master, gradient, 2 moments) x 40 MB = 640 MB
 WORKER_ENV = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "DS_ACCELERATOR": "cpu",
               "PYTHONUNBUFFERED": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
               "MASTER_ADDR": "127.0.0.1"}
@@ -60,7 +75,7 @@ WORKER_ENV = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "DS_ACCELERATOR": 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="125m,1b", help=f"comma-separated, of {', '.join(MODELS)}")
-    p.add_argument("--rows", default="ds-inf,zk-inf,zk-inf-half", help=f"of {', '.join(ROWS)}")
+    p.add_argument("--rows", default="ds-inf,zk-inf,zk-inf-ds,zk-inf-half", help=f"of {', '.join(ROWS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per row (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--nvme-dir", default=None, help="swap folder parent (default: a temporary "
@@ -74,6 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget-gib", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--weights-in-ram", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--swap", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -143,11 +159,32 @@ def ds_config(swap: str, model: str) -> dict:
     }
 
 
-def zk_config(swap: str, model: str, budget_gib: float | None) -> dict:
+def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = False) -> dict:
+    """zerokit's placement keys for a host budget (see the module docstring)."""
+    n = n_params(model)
+    if budget_gib is None:
+        left = 2 * n if weights_in_ram else 0
+    else:
+        left = max(0, int((budget_gib - ALLOWANCE_GIB) * GiB))
+    if weights_in_ram or 2 * n <= left:
+        param = {"device": "cpu", "pin_memory": False}
+        left -= 2 * n
+    else:
+        param = {"max_in_cpu": left // 2}
+        left = 0
+    return {"offload_param": param, "offload_optimizer": {"max_in_cpu": max(0, left) // 16}}
+
+
+def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False) -> dict:
     cfg = ds_config(swap, model)
-    cfg["zero_optimization"]["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
-    if budget_gib is not None:  # zerokit's host budget (#16 point 3), DeepSpeed style
-        cfg["zero_optimization"]["host_memory_budget_gb"] = budget_gib
+    zero = cfg["zero_optimization"]
+    keys = budget_keys(model, budget_gib, weights_in_ram)
+    zero["sub_group_size"] = ZK_SUB_GROUP
+    zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True, **keys["offload_optimizer"])
+    if keys["offload_param"].get("device") == "cpu":
+        zero["offload_param"] = keys["offload_param"]
+    else:
+        zero["offload_param"].update(keys["offload_param"])
     return cfg
 
 
@@ -157,7 +194,8 @@ def _build(lib, cfg: dict, model: str):
     import torch
 
     torch.manual_seed(1234)
-    with lib.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
+    remote = cfg["zero_optimization"]["offload_param"]["device"]
+    with lib.zero.Init(config_dict_or_path=cfg, remote_device=remote):
         return GPT(_gpt_config(model))
 
 
@@ -185,7 +223,7 @@ def setup_deepspeed(args, rec):
 def setup_zerokit(args, rec):
     import zerokit
 
-    cfg = zk_config(args.swap, args.model, args.budget_gib)
+    cfg = zk_config(args.swap, args.model, args.budget_gib, args.weights_in_ram)
     rec["config"] = cfg
     try:
         model = _build(zerokit, cfg, args.model)
@@ -280,6 +318,7 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", model,
            "--swap", str(swap), "--result", str(result), "--steps", str(args.steps),
            "--warmup", str(args.warmup)] + (["--budget-gib", str(budget)] if budget else [])
+    cmd += ["--weights-in-ram"] if ROWS[name][1] == "weights" else []
     env = {**os.environ, **WORKER_ENV, "MASTER_PORT": str(29700 + len(name))}
     log = C.RESULTS_DIR / "logs" / f"bench_infinity-{name}-{model}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -358,11 +397,13 @@ def main(argv=None) -> int:
         ds_rss = args.ds_rss_gib
         for name in rows:
             budget = ROWS[name][1]
-            if budget == "half":
-                budget = ds_rss / 2 if ds_rss else None
+            if budget == "weights":
+                budget = None
+            elif budget in ("ds", "half"):
+                budget = (ds_rss / (2 if budget == "half" else 1)) if ds_rss else None
                 if budget is None:
                     results.append({"row": name, "model": model, "status": "skipped",
-                                    "reason": "no DeepSpeed RSS to halve (run ds-inf first or --ds-rss-gib)"})
+                                    "reason": "no DeepSpeed RSS to budget by (run ds-inf first or --ds-rss-gib)"})
                     continue
             r = run_row(name, model, args, parent, budget)
             if name == "ds-inf" and r["status"] == "ok":

@@ -14,6 +14,7 @@ import torch
 
 from zerokit.core.layout import OptimizerPart
 from zerokit.core.parts import STATE_NAMES, HostPart
+from zerokit.io.aio import wait_all
 from zerokit.io.buffers import aligned_empty
 from zerokit.optim import host as host_kernels
 from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
@@ -89,14 +90,7 @@ class FileGradient:
     def settle(self) -> None:
         """Every write in flight has ended (the first failure raised after all of them)."""
         writes, self._writes = self._writes, []
-        first = None
-        for handle, _ in writes:
-            try:
-                handle.wait()
-            except OSError as e:
-                first = first or e
-        if first is not None:
-            raise first
+        wait_all(handle for handle, _ in writes)
 
     def sq_norm(self) -> float:
         self.settle()

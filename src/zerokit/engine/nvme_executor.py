@@ -33,6 +33,7 @@ from zerokit.core.nvme_part import NvmePart, host_buffer
 from zerokit.core.parts import STATE_NAMES
 from zerokit.core.states import ExecutorState, move
 from zerokit.engine.executors import bind_parts
+from zerokit.io.aio import wait_all
 from zerokit.tiers.nvme import NvmeHandle, NvmeTier
 
 
@@ -80,14 +81,7 @@ class _BufferSet:
         """Every write of the set has ended when this returns, the first failure raised after:
         one left in flight would fail again later, in whatever waits for the I/O engine."""
         writes, self.writes = self.writes, []
-        first = None
-        for h in writes:
-            try:
-                h.wait()
-            except OSError as e:
-                first = first or e
-        if first is not None:
-            raise first
+        wait_all(writes)
 
 
 class NvmeExecutor:

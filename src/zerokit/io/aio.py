@@ -156,6 +156,19 @@ class AioError(OSError):
         return type(self)(self.errno, self.what, self.path, offset=self.offset, key=key)
 
 
+def wait_all(handles) -> None:
+    """Waits for every handle, then raises the first failure: none is left in flight to fail
+    again later, in whatever waits for the engine next."""
+    first = None
+    for h in handles:
+        try:
+            h.wait()
+        except OSError as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
 class ChecksumError(AioError):
     """A block's content does not match the checksum recorded when it was written."""
 
@@ -372,14 +385,7 @@ class AsyncIO:
         """Waits for every outstanding request; raises the first error after waiting for all."""
         with self._lock:
             live = list(self._live)
-        first = None
-        for h in live:
-            try:
-                h.wait()
-            except AioError as e:
-                first = first or e
-        if first is not None:
-            raise first
+        wait_all(live)
 
     def close(self) -> None:
         try:
