@@ -289,3 +289,32 @@ def test_gradients_on_nvme_accumulate_like_cpu_offload(tmp_path, stage, dtype, g
         assert nvme[r]["host_grads"] == 0 and nvme[r]["nvme_grads"] == 4 * nvme[r]["nvme_numel"] > 0
         assert nvme[r]["losses"] == cpu[r]["losses"]
         _exact(nvme[r]["weights"], cpu[r]["weights"])
+
+
+def _train_ledger(rank, world, cfg):
+    import zerokit
+
+    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    losses = engine_train(engine, global_batches(STEPS, MICRO * world), rank, world)
+    out = {"losses": losses, "weights": engine.consolidated_fp32_state_dict(),
+           "host_buffers": engine.ledger.bytes(tier="host", kind="buffers"),
+           "host_weights": engine.ledger.bytes(tier="host", kind="weights")}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_with_offload_param_the_stream_writes_the_host_shard_in_place(tmp_path, dtype):
+    """offload_param cpu + the optimizer on NVMe: the new weights land in the host shard itself
+    (no second 16-bit copy of the nvme part in RAM), with cpu offload's weights bit for bit."""
+    configs = []
+    for device in ("cpu", "nvme"):
+        cfg = _config(3, dtype, "AdamW", device, str(tmp_path))
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        configs.append(cfg)
+    cpu, nvme = (run_world(_train_ledger, 2, cfg) for cfg in configs)
+    for r in range(2):
+        assert nvme[r]["losses"] == cpu[r]["losses"]
+        _exact(nvme[r]["weights"], cpu[r]["weights"])
+        # host buffers: only the stream's 3 sets x (master, gradient, 2 moments) x 1000 fp32
+        assert nvme[r]["host_weights"] > 0 and nvme[r]["host_buffers"] == 3 * 4 * 1000 * 4, nvme[r]

@@ -24,7 +24,7 @@ host part's length, `r` = this rank's shard):
     nvme_*       with offload_optimizer device 'nvme' the offloaded range [a, a + k) splits:
                  [a, a + h) is the host part above (h: the max_in_cpu budget), [a + h, a + k)
                  the nvme part: nvme_master and nvme_grad0 fp32 on the nvme tier, nvme_out
-                 compute dtype on the host
+                 compute dtype on the host (offload_param, no delay: the host shard)
 The host part's optimizer state is allocated when the optimizer is known (HostPart.init_state),
 through the same host tier, so the ledger counts it as allocated too.
 """
@@ -179,7 +179,7 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     if h:
         records += _host_part_records(placement, partition, compute_dtype, a, a + h, cuda)
     if k > h:
-        records += _nvme_part_records(placement, compute_dtype, a + h, a + k, cuda)
+        records += _nvme_part_records(placement, partition, compute_dtype, a + h, a + k, cuda)
     return UnitLayout(numel, padded, shard_numel, (a, b), parts, tuple(records))
 
 
@@ -205,15 +205,19 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     return out
 
 
-def _nvme_part_records(placement: PlacementPolicy, compute_dtype: torch.dtype, lo: int, hi: int,
-                       cuda: bool) -> list[BufferRecord]:
+def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
+                       compute_dtype: torch.dtype, lo: int, hi: int, cuda: bool) -> list[BufferRecord]:
     """ZeRO-Infinity's part: the fp32 master and gradient in files (the optimizer state joins at
     bind), as DeepSpeed swaps them; the new compute-dtype weights in host memory
     (engine/nvme_executor.py). Gradients reach their file through small host buffers
     (core/nvme_part.py), so no record of the part's size is needed for them in RAM."""
     f32 = torch.float32
     pin = placement.pin_memory and cuda and torch.cuda.is_available()
+    # offload_param without the delay: the stream writes the new weights into the host shard
+    # itself, as the host part does (no second 16-bit copy of the part in RAM).
+    in_place = placement.params_on_host and not placement.delayed and partition.shard_weights
     return [BufferRecord("nvme_master", "master", "nvme", f32, lo, hi),
             BufferRecord("nvme_grad0", "grads", "nvme", f32, lo, hi),
             # the step's new weights, written back to the weights' home after the stream
-            BufferRecord("nvme_out", "buffers", "host", compute_dtype, lo, hi, pinned=pin)]
+            BufferRecord("nvme_out", "buffers", "host", compute_dtype, lo, hi, pinned=pin,
+                         alias_of="shard" if in_place else None)]

@@ -3,8 +3,8 @@
 See [Note: optimizer parts] in core/parts.py. An `NvmePart` is a HostPart whose fp32 master,
 optimizer state and gradient are `FileRange`s on the nvme tier (tiers/nvme.py) instead of host
 tensors (as DeepSpeed swaps its fp32 gradient partitions); only its new compute-dtype weights
-(`out16`, whatever the dtype) stay in host memory, so the write-back of the weights is the host
-part's. The gradient arrives through `FileGradient` (below). The streaming executor
+(`out16`, whatever the dtype; with offload_param and no delay, the host shard itself) stay in
+host memory, so the write-back of the weights is the host part's. The gradient arrives through `FileGradient` (below). The streaming executor
 (engine/nvme_executor.py) steps it a sub-group at a time; the few operations that need the whole
 master (an edit under GatheredParameters, `full_master`) read it whole, one part at a time.
 """
@@ -132,10 +132,10 @@ class NvmePart(HostPart):
     tier = "nvme"
 
     def __init__(self, unit, span: OptimizerPart, buffers: dict, host: Tier, nvme: NvmeTier,
-                 home: torch.Tensor, pinned: bool):
+                 home: torch.Tensor, in_place: bool, pinned: bool):
         names = {"host_master": "nvme_master", "host_grad0": "nvme_grad0", "host_out16": "nvme_out"}
         super().__init__(unit, span, {k: buffers[v] for k, v in names.items() if v in buffers},
-                         host, home, in_place=False, pinned=pinned)
+                         host, home, in_place=in_place, pinned=pinned)
         self.nvme = nvme
         self.master: FileRange
         self.gradient = FileGradient(nvme, self.grads[0])

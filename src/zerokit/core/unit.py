@@ -213,6 +213,7 @@ class Unit:
 
             self.parts.append(NvmePart(self, nvme, bufs, tiers["host"], tiers["nvme"],
                                        home[nvme.lo - home_lo:nvme.hi - home_lo],
+                                       in_place=self.layout.aliases("nvme_out", "shard"),
                                        pinned=self.layout.record("nvme_out").pinned))
         span = self.layout.parts[-1]
         self.master = nn.Parameter(bufs["master"], requires_grad=True)
