@@ -63,10 +63,15 @@ ROWS = {
     "zk-inf-8g": ("zerokit", 8.0, "zerokit, host budget 8 GiB"),
     "zk-opt-nvme": ("zerokit", "weights", "zerokit, weights in RAM, optimizer on NVMe"),
 }
-# What a zerokit row's process holds besides the budgeted states: the interpreter and torch,
-# activations at seq 128 x micro-batch 1, gathered layers, and the stream's buffer sets.
-ALLOWANCE_GIB = 1.5
+# What a zerokit row's process holds besides the budgeted states: the interpreter and torch
+# (~0.4 GiB), the stream's buffer sets (below), and in backward the largest unit (the untied
+# embedding + head, 115M elements at 1B) gathered, its gradient in bf16 and fp32 and on its way
+# to NVMe, plus the reductions in flight (ZK_REDUCE_BUCKET).
+ALLOWANCE_GIB = 2.5
 ZK_SUB_GROUP = 10_000_000  # 4 buffer sets x (master, gradient, 2 moments) x 40 MB = 640 MB
+# Elements per reduce bucket for zerokit rows: two buckets of fp32 gradients may be in flight
+# (engine._max_pending_bytes), 4 GB at DeepSpeed's default 5e8; 5e7 keeps that at 400 MB.
+ZK_REDUCE_BUCKET = 50_000_000
 WORKER_ENV = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "DS_ACCELERATOR": "cpu",
               "PYTHONUNBUFFERED": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
               "MASTER_ADDR": "127.0.0.1"}
@@ -180,6 +185,7 @@ def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: b
     zero = cfg["zero_optimization"]
     keys = budget_keys(model, budget_gib, weights_in_ram)
     zero["sub_group_size"] = ZK_SUB_GROUP
+    zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
     zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True, **keys["offload_optimizer"])
     if keys["offload_param"].get("device") == "cpu":
         zero["offload_param"] = keys["offload_param"]
