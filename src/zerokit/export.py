@@ -24,7 +24,8 @@ def _behind_master(engine: "Engine", unit) -> bool:
     """With the delayed host update, the weights of a unit's host part are written back only at
     the next step, while consolidated_fp32_state_dict already reads the updated master (waiting
     for the update in flight): the export must agree with it. The same on every rank."""
-    return unit.host_numel > 0 and engine.offload.pending_write_back
+    return any(e.pending_write_back and any(p.unit is unit for p in e.shards)
+               for e in engine.kernel_executors)
 
 
 def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str = "model.safetensors",

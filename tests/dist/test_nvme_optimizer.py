@@ -318,3 +318,56 @@ def test_with_offload_param_the_stream_writes_the_host_shard_in_place(tmp_path, 
         _exact(nvme[r]["weights"], cpu[r]["weights"])
         # host buffers: only the stream's 3 sets x (master, gradient, 2 moments) x 1000 fp32
         assert nvme[r]["host_weights"] > 0 and nvme[r]["host_buffers"] == 3 * 4 * 1000 * 4, nvme[r]
+
+
+def _delayed(stage, dtype, device, path, max_in_cpu=0):
+    cfg = _config(stage, dtype, "AdamW", device, path,
+                  extra={"delayed_update": {"enabled": True, "warmup_steps": 1},
+                         **({"max_in_cpu": max_in_cpu} if device == "nvme" else {})})
+    return cfg
+
+
+def _train_delayed(rank, world, cfg, steps, save_at=None, ckpt=None):
+    """`steps` steps; with save_at, save after that many (a delayed update in flight), load the
+    checkpoint into a fresh engine and finish there."""
+    import time
+
+    import zerokit
+    from zerokit.engine.nvme_executor import NvmeExecutor
+
+    # The stream starts late, so it surely runs while the next backward writes gradients.
+    stream = NvmeExecutor._stream
+    NvmeExecutor._stream = lambda self, *a: (time.sleep(0.2), stream(self, *a))[1]
+    batches = global_batches(steps, MICRO * world)
+    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    stop = steps if save_at is None else save_at
+    losses = engine_train(engine, batches[:stop], rank, world)
+    if save_at is not None:
+        assert any(e.pending_write_back for e in engine.kernel_executors)
+        engine.save_checkpoint(ckpt, tag="t")
+        engine.destroy()
+        engine, _, _, _ = zerokit.initialize(model=tiny_gpt(seed=5), config=cfg)
+        engine.load_checkpoint(ckpt, tag="t")
+        losses += engine_train(engine, batches[stop:], rank, world)
+    nvme = next((e for e in engine.kernel_executors if e.tier == "nvme"), None)
+    if nvme is not None:
+        assert nvme._worker is not None, "the delayed NVMe stream was joined inside step()"
+    out = {"losses": losses, "weights": engine.consolidated_fp32_state_dict()}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage,dtype,max_in_cpu", [(2, "bf16", 0), (3, "fp32", 5000)])
+def test_delayed_update_on_nvme_equals_cpu_offloads(tmp_path, stage, dtype, max_in_cpu):
+    """ZeRO-Offload's one-step delayed update with the optimizer on NVMe: the stream of step t
+    runs on the executor's worker into step t + 1 (not joined inside step()), reading one
+    gradient file while backward writes the other; the weights are the delayed cpu-offload
+    run's bit for bit, also across a checkpoint taken with an update in flight."""
+    cpu = run_world(_train_delayed, 2, _delayed(stage, dtype, "cpu", None), 4)
+    nvme = run_world(_train_delayed, 2, _delayed(stage, dtype, "nvme", str(tmp_path), max_in_cpu), 4)
+    resumed = run_world(_train_delayed, 2, _delayed(stage, dtype, "nvme", str(tmp_path), max_in_cpu),
+                        4, save_at=2, ckpt=str(tmp_path / "ckpt"))
+    for r in range(2):
+        assert nvme[r]["losses"] == cpu[r]["losses"] == resumed[r]["losses"]
+        _exact(nvme[r]["weights"], cpu[r]["weights"])
+        _exact(resumed[r]["weights"], cpu[r]["weights"])

@@ -42,8 +42,6 @@ def test_offload_param_is_placement() -> None:
     ({"device": "cpu"}, 0, ["needs stage 1, 2 or 3"]),
     ({"device": "nvme"}, 2, ["offload_optimizer.device 'nvme' needs offload_optimizer.nvme_path"]),
     ({"device": "nvme", "nvme_path": "/x"}, 0, ["'nvme' needs stage 1, 2 or 3"]),
-    ({"device": "nvme", "nvme_path": "/x", "delayed_update": {"enabled": True}}, 2,
-     ["delayed_update with device 'nvme' is not implemented"]),
     ({"device": "cpu", "ratio": -0.1}, 2, ["ratio must be in [0, 1]", "-0.1"]),
     ({"device": "cpu", "pin_memroy": True}, 2, ["did you mean 'pin_memory'"]),
 ])

@@ -185,9 +185,6 @@ class OffloadOptimizerConfig(_Section):
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("offload_optimizer.device 'nvme' needs offload_optimizer.nvme_path "
                              "(a directory on the NVMe drive)")
-        if self.device == "nvme" and self.delayed_update.enabled:
-            raise ValueError("offload_optimizer.delayed_update with device 'nvme' is not "
-                             "implemented; allowed with device 'cpu'")
         if self.ratio != "auto" and not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"offload_optimizer.ratio must be in [0, 1] or 'auto' (got {self.ratio!r})")
         return self

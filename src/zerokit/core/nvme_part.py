@@ -133,14 +133,26 @@ class NvmePart(HostPart):
 
     def __init__(self, unit, span: OptimizerPart, buffers: dict, host: Tier, nvme: NvmeTier,
                  home: torch.Tensor, in_place: bool, pinned: bool):
-        names = {"host_master": "nvme_master", "host_grad0": "nvme_grad0", "host_out16": "nvme_out"}
+        names = {"host_master": "nvme_master", "host_grad0": "nvme_grad0", "host_grad1": "nvme_grad1",
+                 "host_out16": "nvme_out"}
         super().__init__(unit, span, {k: buffers[v] for k, v in names.items() if v in buffers},
                          host, home, in_place=in_place, pinned=pinned)
         self.nvme = nvme
         self.master: FileRange
-        self.gradient = FileGradient(nvme, self.grads[0])
+        # one gradient file, two with the delayed update (the stream reads one, backward writes
+        # the other; HostPart.swap_grads flips `current`)
+        self.gradients = [FileGradient(nvme, g) for g in self.grads]
 
     # ---- gradients in: a file (see [Note: gradients on NVMe]) -----------------------------------
+    @property
+    def gradient(self) -> FileGradient:
+        """The gradient the current backward writes and the next step reads."""
+        return self.gradients[self.current]
+
+    def gradient_in_flight(self) -> FileGradient:
+        """The gradient the running (or launching) stream reads."""
+        return next(g for g in self.gradients if g.range is self.grad_in_flight)
+
     def take_grad(self, part: torch.Tensor, offset: int) -> None:
         self.gradient.add(part, offset)
 
@@ -153,9 +165,6 @@ class NvmePart(HostPart):
     def zero_grad(self) -> None:
         self.gradient.clear()
 
-    def swap_grads(self) -> None:
-        raise NotImplementedError("the delayed parameter update with the optimizer on NVMe")
-
     def init_state(self, family: str, fill: float = 0.0) -> None:
         """The optimizer state files (zero-filled when reserved: DeepSpeed's fast_init)."""
         if self.state:
@@ -167,10 +176,12 @@ class NvmePart(HostPart):
                 fill_range(self.nvme, self.state[key], fill)
 
     def master_values(self) -> torch.Tensor:
+        self.wait()  # a delayed stream may still write the file
         return read_range(self.nvme, self.master)
 
     def absorb(self, new: torch.Tensor) -> None:
         """Compute weights were edited: carry changed elements into the master file."""
+        self.wait()
         new = new.to("cpu")
         master = read_range(self.nvme, self.master)
         changed = new != master.to(new.dtype)

@@ -100,7 +100,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     scheduler = _scheduler(cfg, lr_scheduler, torch_optimizer, optimizer)
     executors = _executors(units, placement, torch_optimizer, ledger)
     if nvme is not None:  # after the host executor (its worker overlaps the stream), before torch
-        executors.insert(-1, _nvme_executor(cfg, units, nvme, torch_optimizer, ledger))
+        executors.insert(-1, _nvme_executor(cfg, units, nvme, torch_optimizer, ledger, placement))
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch,
                     executors)
     engine.config = config_dict(config if config is not None else config_params, cfg)
@@ -157,9 +157,9 @@ def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind
     return True
 
 
-def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledger: Ledger
-                   ) -> NvmeExecutor:
-    executor = NvmeExecutor(units, nvme, _stream_settings(cfg), ledger)
+def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledger: Ledger,
+                   placement: PlacementPolicy) -> NvmeExecutor:
+    executor = NvmeExecutor(units, nvme, _stream_settings(cfg), ledger, placement)
     executor.bind(torch_optimizer)  # fails here, naming the optimizer, if it has no host kernel
     return executor
 

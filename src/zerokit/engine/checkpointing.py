@@ -68,8 +68,9 @@ def state_to_save(engine: "Engine") -> SaveState:
     for u in engine.units:  # a host update in flight (the delayed update's) finishes first
         for part in u.parts:
             part.wait()
-    host = engine.offload
-    in_use = host is not None and host.pending_write_back  # [Note: delayed update in checkpoints]
+    host = engine.offload or next(iter(engine.kernel_executors), None)
+    # [Note: delayed update in checkpoints]
+    in_use = any(e.pending_write_back for e in engine.kernel_executors)
     rank = engine.comm.rank
     pieces: list[SavePiece] = []
     optim_keys: dict[str, list[str]] = {}
@@ -90,7 +91,7 @@ def state_to_save(engine: "Engine") -> SaveState:
             parts = [state[k] if p.tier == "device" else _saved(p.state[k]) for p in u.parts]
             pieces.append(SavePiece(f"{u.name}/optim.{k}", cut(parts, lo - a, hi - a)))
         scalars[u.name] = copy.deepcopy({k: v for k, v in state.items() if k not in keys})
-        if in_use and u.host_numel > 0:
+        if in_use and _host_parts(u):
             pieces.append(SavePiece(f"{u.name}/{IN_USE}", (weights,)))
     record = None
     if host is not None:
@@ -250,10 +251,12 @@ def _restore_pipeline(engine: "Engine", fill: Fill, records: dict[str, UnitRecor
                       saved: SavedOptimizer) -> None:
     """The host executor's position; with the delayed update, a pending write-back and the
     weights in use (see [Note: delayed update in checkpoints])."""
-    host = engine.offload
-    if host is None:
+    executors = engine.kernel_executors
+    if not executors:
         return
-    host.launches = saved.launches
+    host = executors[0]
+    for e in executors:
+        e.launches = saved.launches
     if not saved.pending_write_back:
         return
     if not host.placement.delayed:
@@ -262,7 +265,7 @@ def _restore_pipeline(engine: "Engine", fill: Fill, records: dict[str, UnitRecor
         return
     rank = engine.comm.rank
     for u in engine.units:
-        if u.host_numel == 0:
+        if not _host_parts(u):
             continue
         lo = rank * u.shard_numel
         u.wait_weights()  # the load's own gather of the master must not land over these
@@ -272,7 +275,8 @@ def _restore_pipeline(engine: "Engine", fill: Fill, records: dict[str, UnitRecor
             fill(LoadPiece(records[u.name], IN_USE, 0, u.padded_numel, u.flat))
         u.publish_weights()
         u.wait_weights()
-    host.restore_pending()
+    for e in executors:
+        e.restore_pending()
 
 
 def restore_training_scalars(engine: "Engine", scalars: dict[str, Any], *, optimizer: bool,

@@ -120,7 +120,13 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def offload(self):
         """The host optimizer executor, where part of the optimizer steps on the host (else None):
         for reports, checkpoints and tests; the step itself loops over `executors`."""
-        return next((e for e in self.executors if isinstance(e, HostExecutor)), None)
+        return next((e for e in self.executors if type(e) is HostExecutor), None)
+
+    @property
+    def kernel_executors(self) -> list:
+        """The executors running the host kernel on a worker (host memory, and NVMe streamed):
+        both may hold a delayed update ([Note: delayed update in checkpoints])."""
+        return [e for e in self.executors if isinstance(e, HostExecutor)]
 
     def _move(self, new: TrainingState) -> None:
         if self.training_state is TrainingState.FAILED:

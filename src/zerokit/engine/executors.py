@@ -143,15 +143,18 @@ def _join_in_flight() -> None:
 
 class HostExecutor:
     """The native kernel over every unit's host part, in a worker thread (see the module note).
+    The NVMe executor is this one with `_run` streaming the parts from their files.
 
     State: IDLE; RUNNING from launch until the worker is joined (in finish, or with the delayed
     update in the next step's before_step); WRITE_BACK_PENDING between the join and the write-back
     of the new weights, and after a checkpoint load that restores a pending write-back.
     """
 
+    tier = "host"  # the parts it steps
+
     def __init__(self, units: list, placement: PlacementPolicy):
         _LIVE.add(self)
-        self.shards: list[HostPart] = [p for u in units for p in u.parts if p.tier == "host"]
+        self.shards: list[HostPart] = [p for u in units for p in u.parts if p.tier == self.tier]
         self.placement = placement
         self.launches = 0
         self.state = ExecutorState.IDLE
@@ -196,8 +199,7 @@ class HostExecutor:
 
         def run() -> None:
             try:
-                for s in todo:
-                    self._step_fn(s, groups[s.group], coef)
+                self._run(todo, groups, coef)
             except BaseException as e:  # re-raised on the training thread at the join
                 self._error = e
             finally:
@@ -205,12 +207,17 @@ class HostExecutor:
 
         self._stepped = todo
         self._move(ExecutorState.RUNNING)
-        self._worker = threading.Thread(target=run, name="zerokit-host-step", daemon=True)
+        self._worker = threading.Thread(target=run, name=f"zerokit-{self.tier}-step", daemon=True)
         self._worker.start()
         if self.delaying:
             for s in todo:
                 s.swap_grads()
         self.launches += 1
+
+    def _run(self, todo: list[HostPart], groups: list[dict], coef: float) -> None:
+        """The update itself, on the worker thread: the kernel over each part in memory."""
+        for s in todo:
+            self._step_fn(s, groups[s.group], coef)
 
     def finish(self) -> None:
         """Join the host update and write its weights back, unless it is delayed to the next step."""
@@ -234,7 +241,9 @@ class HostExecutor:
             error, self._error = self._error, None
             self._move(ExecutorState.IDLE)
             self._stepped = []
-            raise RuntimeError("the host optimizer step failed") from error
+            if isinstance(error, OSError):  # an I/O failure names its file: raise it as it is
+                raise error
+            raise RuntimeError(f"the {self.tier} optimizer step failed") from error
         self._move(ExecutorState.WRITE_BACK_PENDING)
 
     def _write_back(self) -> None:

@@ -14,8 +14,11 @@ sub-group i:
     write   master and state go back to their file ranges; waited when the set is needed again
             (pipeline_write) or at once
 The kernel and the arithmetic are those of the host part, so a run with the optimizer on NVMe gives
-the weights a run with it in host memory gives, bit for bit. The update runs on the training thread
-in `launch`; the I/O engine's own threads overlap it.
+the weights a run with it in host memory gives, bit for bit. The stream runs on the host
+executor's worker thread (the executor is a HostExecutor whose `_run` streams): joined in
+`finish`, or, with the delayed update, at the next step's `before_step`, so that it overlaps that
+step's forward and backward (each part then has two gradient files: the stream reads one while
+backward writes the other). The I/O engine's own threads overlap the kernel.
 
 I/O per step is counted by the tier's stats and kept in `last_io` (bytes read / written, GB/s over
 the I/O's wall time, the seconds the step waited on I/O), shown by `engine.memory_report()`; a
@@ -31,9 +34,9 @@ import torch
 
 from zerokit.core.nvme_part import NvmePart, host_buffer
 from zerokit.core.parts import STATE_NAMES
-from zerokit.core.states import ExecutorState, move
-from zerokit.engine.executors import bind_parts
+from zerokit.engine.executors import HostExecutor
 from zerokit.io.aio import wait_all
+from zerokit.policy import PlacementPolicy
 from zerokit.tiers.nvme import NvmeHandle, NvmeTier
 
 
@@ -84,57 +87,41 @@ class _BufferSet:
         wait_all(writes)
 
 
-class NvmeExecutor:
-    """Steps every unit's nvme part, streaming sub-groups (see [Note: streaming the optimizer])."""
+class NvmeExecutor(HostExecutor):
+    """Steps every unit's nvme part, streaming sub-groups (see [Note: streaming the optimizer]).
 
-    def __init__(self, units: list, nvme: NvmeTier, settings: StreamSettings, ledger):
-        self.parts: list[NvmePart] = [p for u in units for p in u.parts if p.tier == "nvme"]
+    The host executor's machinery (engine/executors.py: the worker thread, its states, the
+    delayed update and its write-back) with `_run` streaming the parts from their files.
+    """
+
+    tier = "nvme"
+
+    def __init__(self, units: list, nvme: NvmeTier, settings: StreamSettings, ledger,
+                 placement: PlacementPolicy):
+        super().__init__(units, placement)
         self.nvme, self.settings, self.ledger = nvme, settings, ledger
-        self.state = ExecutorState.IDLE
-        self.optimizer: torch.optim.Optimizer | None = None
         self._sets: list[_BufferSet] = []
-        self._stepped: list[NvmePart] = []
-        self._copied = None  # CUDA event: host -> device weight copies done
         self.last_io: dict[str, float] = {}
         self.steps_io: list[dict[str, float]] = []  # every step's, for the benchmark
         nvme.stats.reset()  # the first step's count starts here, after the files were filled
 
-    def bind(self, optimizer: torch.optim.Optimizer) -> None:
-        """Follow `optimizer`'s param groups; fails here, naming it, if it has no host kernel."""
-        self.family, self._step_fn = bind_parts(optimizer, self.parts)
-        self.optimizer = optimizer
+    @property
+    def parts(self) -> list[NvmePart]:
+        return self.shards
 
     def set_bytes(self) -> int:
         """Host bytes of the buffer sets (what the host budget counts for the stream)."""
         return buffer_set_bytes(self.settings, self.family, max((p.numel for p in self.parts), default=0))
 
-    def _move(self, new: ExecutorState) -> None:
-        self.state = move(self.state, new, "the nvme optimizer executor")
-
-    # ---- the step ----------------------------------------------------------------------------
-    def before_step(self) -> None:
-        for s in self.parts:
-            s.settle()
-
-    def launch(self, coef: float, skip: set) -> None:
-        if self._copied is not None:  # the stream rewrites out16, which may still be copied
-            self._copied.synchronize()
-            self._copied = None
-        groups = [dict(g) for g in self.optimizer.param_groups]
-        todo = [s for s in self.parts if s.unit not in skip]
-        self._move(ExecutorState.RUNNING)
+    def _run(self, todo: list[NvmePart], groups: list[dict], coef: float) -> None:
+        """On the worker thread: the stream, and its I/O report."""
         start = time.perf_counter()
         try:
             for s in todo:
-                s.gradient.zero_unwritten()
-                s.steps += 1
-                s.grad_in_flight = s.grad
+                s.gradient_in_flight().zero_unwritten()
             self._stream(todo, groups, coef)
         except BaseException:
-            for s in todo:  # as a failed host update: the weights stay as they were
-                s.steps -= 1
             self._drain()
-            self._move(ExecutorState.IDLE)
             raise
         report = self.nvme.stats.snapshot()
         self.nvme.stats.reset()
@@ -142,36 +129,11 @@ class NvmeExecutor:
         self.last_io = report
         self.ledger.record_io("nvme", report)
         self.steps_io.append(report)
-        self._stepped = todo
-        self._move(ExecutorState.WRITE_BACK_PENDING)
-
-    def finish(self) -> None:
-        if self.state is not ExecutorState.WRITE_BACK_PENDING:
-            return
-        for s in self._stepped:
-            s.write_weights()
-        if any(s.pin for s in self._stepped):
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        self._stepped = []
-        self._move(ExecutorState.IDLE)
-
-    def after_skip(self) -> None:
-        """Nothing was launched, nothing is pending."""
-
-    def drop_pending(self) -> None:
-        if self.state is ExecutorState.WRITE_BACK_PENDING:
-            self._move(ExecutorState.IDLE)
-        self._stepped = []
 
     def close(self) -> None:
-        """The engine is released: wait for I/O in flight and remove the swap files."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+        """The engine is released: the update in flight ends, the swap files are removed."""
+        super().close()
         self._sets = []
-        if self.state is not ExecutorState.IDLE:
-            self._move(ExecutorState.IDLE)
         self.nvme.close()
 
     # ---- streaming ---------------------------------------------------------------------------

@@ -56,7 +56,8 @@ class PlacementPolicy:
             if off.ratio == "auto":
                 raise ValueError("offload_optimizer.ratio 'auto' with device 'nvme' is not "
                                  "implemented; give a number in [0, 1]")
-            return cls(float(off.ratio), off.pin_memory, nvme=True, ram_numel=off.max_in_cpu,
+            return cls(float(off.ratio), off.pin_memory, off.delayed_update.enabled,
+                       off.delayed_update.warmup_steps, nvme=True, ram_numel=off.max_in_cpu,
                        **params)
         if off.device != "cpu":
             return cls(**params)
