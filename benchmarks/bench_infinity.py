@@ -18,6 +18,9 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
   zk-inf-8g    zerokit, host budget 8 GiB (the "largest model that trains here" row)
   zk-opt-nvme  zerokit, 16-bit weights in host memory (offload_param cpu), master, gradients and
                optimizer state on NVMe (works without NVMe weights)
+  zk-inf-ds-dpu zk-inf-ds with the one-step delayed update (offload_optimizer.delayed_update):
+               the step's NVMe stream overlaps the next forward and backward. Changes the math
+               (weights one step stale), so it is a row of its own, never compared as equal.
 A host budget becomes zerokit's own keys (`budget_keys`): the 16-bit weights stay in host memory
 if they fit (offload_param cpu; else NVMe with offload_param.max_in_cpu of them in RAM), then
 offload_optimizer.max_in_cpu keeps as many optimizer elements (16 B each: master, gradient, two
@@ -62,6 +65,7 @@ ROWS = {
     "zk-inf-half": ("zerokit", "half", "zerokit, host budget = DeepSpeed RSS / 2"),
     "zk-inf-8g": ("zerokit", 8.0, "zerokit, host budget 8 GiB"),
     "zk-opt-nvme": ("zerokit", "weights", "zerokit, weights in RAM, optimizer on NVMe"),
+    "zk-inf-ds-dpu": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS, delayed update"),
 }
 # What a zerokit row's process holds besides the budgeted states: the interpreter and torch
 # (~0.4 GiB), the stream's buffer sets (below), and in backward the largest unit (the untied
@@ -95,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget-gib", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--weights-in-ram", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--delayed", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--swap", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -180,13 +185,16 @@ def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = Fal
     return {"offload_param": param, "offload_optimizer": {"max_in_cpu": max(0, left) // 16}}
 
 
-def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False) -> dict:
+def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False,
+              delayed: bool = False) -> dict:
     cfg = ds_config(swap, model)
     zero = cfg["zero_optimization"]
     keys = budget_keys(model, budget_gib, weights_in_ram)
     zero["sub_group_size"] = ZK_SUB_GROUP
     zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
     zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True, **keys["offload_optimizer"])
+    if delayed:  # ZeRO-Offload's one-step delayed update, after one normal step
+        zero["offload_optimizer"]["delayed_update"] = {"enabled": True, "warmup_steps": 1}
     if keys["offload_param"].get("device") == "cpu":
         zero["offload_param"] = keys["offload_param"]
     else:
@@ -229,7 +237,7 @@ def setup_deepspeed(args, rec):
 def setup_zerokit(args, rec):
     import zerokit
 
-    cfg = zk_config(args.swap, args.model, args.budget_gib, args.weights_in_ram)
+    cfg = zk_config(args.swap, args.model, args.budget_gib, args.weights_in_ram, args.delayed)
     rec["config"] = cfg
     try:
         model = _build(zerokit, cfg, args.model)
@@ -325,6 +333,7 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
            "--swap", str(swap), "--result", str(result), "--steps", str(args.steps),
            "--warmup", str(args.warmup)] + (["--budget-gib", str(budget)] if budget else [])
     cmd += ["--weights-in-ram"] if ROWS[name][1] == "weights" else []
+    cmd += ["--delayed"] if name.endswith("-dpu") else []
     env = {**os.environ, **WORKER_ENV, "MASTER_PORT": str(29700 + len(name))}
     log = C.RESULTS_DIR / "logs" / f"bench_infinity-{name}-{model}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
