@@ -169,9 +169,13 @@ def ds_config(swap: str, model: str) -> dict:
     }
 
 
-def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = False) -> dict:
-    """zerokit's placement keys for a host budget (see the module docstring)."""
+def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = False,
+                delayed: bool = False) -> dict:
+    """zerokit's placement keys for a host budget (see the module docstring). With the delayed
+    update a host element also keeps a second gradient and its own 16-bit output (22 B, not 16),
+    and the NVMe elements' 16-bit output is a buffer of its own (2 B each)."""
     n = n_params(model)
+    per_host = 22 if delayed else 16
     if budget_gib is None:
         left = 2 * n if weights_in_ram else 0
     else:
@@ -182,14 +186,16 @@ def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = Fal
     else:
         param = {"max_in_cpu": left // 2}
         left = 0
-    return {"offload_param": param, "offload_optimizer": {"max_in_cpu": max(0, left) // 16}}
+    if delayed:  # the NVMe elements' 16-bit output: at most every element's
+        left -= 2 * n
+    return {"offload_param": param, "offload_optimizer": {"max_in_cpu": max(0, left) // per_host}}
 
 
 def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False,
               delayed: bool = False) -> dict:
     cfg = ds_config(swap, model)
     zero = cfg["zero_optimization"]
-    keys = budget_keys(model, budget_gib, weights_in_ram)
+    keys = budget_keys(model, budget_gib, weights_in_ram, delayed)
     zero["sub_group_size"] = ZK_SUB_GROUP
     zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
     zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True, **keys["offload_optimizer"])
