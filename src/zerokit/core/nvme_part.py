@@ -4,9 +4,10 @@ See [Note: optimizer parts] in core/parts.py. An `NvmePart` is a HostPart whose 
 optimizer state and gradient are `FileRange`s on the nvme tier (tiers/nvme.py) instead of host
 tensors (as DeepSpeed swaps its fp32 gradient partitions); only its new compute-dtype weights
 (`out16`, whatever the dtype; with offload_param and no delay, the host shard itself) stay in
-host memory, so the write-back of the weights is the host part's. The gradient arrives through `FileGradient` (below). The streaming executor
-(engine/nvme_executor.py) steps it a sub-group at a time; the few operations that need the whole
-master (an edit under GatheredParameters, `full_master`) read it whole, one part at a time.
+host memory, so the write-back of the weights is the host part's. The gradient arrives through
+`FileGradient` (below). The streaming executor (engine/nvme_executor.py) steps it a sub-group at
+a time; the few operations that need the whole master (an edit under GatheredParameters,
+`full_master`) read it whole, one part at a time.
 """
 from __future__ import annotations
 
