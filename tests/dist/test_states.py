@@ -121,7 +121,7 @@ def test_hooks_tell_recomputation_from_forward(use_reentrant) -> None:
 
 
 @pytest.mark.parametrize("failure", ["collective", "nvme", "other"])
-def test_a_step_that_leaves_inconsistent_state_fails_the_engine(failure) -> None:
+def test_a_step_that_leaves_inconsistent_state_fails_the_engine(failure, tmp_path) -> None:
     """A step failing in a collective (the ranks may not agree) or on the NVMe tier (swap files
     partly written) makes the engine FAILED: forward, backward and step then raise, saying why
     and what to do; any other failure leaves an engine that trains on (engine._abandon_step)."""
@@ -152,8 +152,10 @@ def test_a_step_that_leaves_inconsistent_state_fails_the_engine(failure) -> None
         assert engine.training_state is TrainingState.FAILED
         hint = "restart the job" if failure == "collective" else "load the last checkpoint"
         for attempt in (lambda: engine(x, x), lambda: engine.step(),
-                        lambda: engine.backward(torch.ones((), requires_grad=True))):
+                        lambda: engine.backward(torch.ones((), requires_grad=True)),
+                        lambda: engine.save_checkpoint(str(tmp_path))):  # never a torn checkpoint
             with pytest.raises(zerokit.EngineFailedError, match=hint) as e:
                 attempt()
             assert str(errors[failure]) in str(e.value)
+        assert not list(tmp_path.iterdir())
     engine.destroy()

@@ -363,8 +363,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         log.error(note)
 
     def _fail(self, note: str, error: BaseException) -> None:
-        """Nothing after this may train on the engine's state: forward, backward and step raise
-        EngineFailedError with `note` (destroy() and saving what is consistent still work)."""
+        """Nothing after this may train on or save the engine's state: forward, backward, step
+        and save_checkpoint raise EngineFailedError with `note`; destroy() still works."""
         self._failure = f"{note} The failure: {type(error).__name__}: {error}"
         self.training_state = move(self.training_state, TrainingState.FAILED, "the engine")
 
@@ -458,6 +458,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         Returns True, as DeepSpeed does."""
         from zerokit.checkpoint import save_checkpoint
 
+        if self.training_state is TrainingState.FAILED:  # its state may be torn: never save it
+            raise EngineFailedError(self._failure)
         save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
         return True
 
