@@ -175,3 +175,19 @@ def test_a_checkpointed_copy_keeps_the_same_gradients() -> None:
     assert checkpointing.STORE.stats["kept"] == before + CFG.n_layer
     want = _grads(_model())
     assert all(torch.equal(got[n], g) for n, g in want.items())
+
+
+def test_where_a_checkpointed_input_is_restored_from_with_the_cuda_facts_injected() -> None:
+    """The decision the H100 run corrected (a contiguous device slot filled on the side stream was
+    fetched like a host piece, keeping its source alive): only CUDA reaches the slot case, so
+    the decision is a function of the facts, tested here without a GPU."""
+    import pytest
+
+    from zerokit.checkpointing.store import restore_source
+
+    assert restore_source("device", copied_on_side_stream=True) == "slot"
+    assert restore_source("device", copied_on_side_stream=False) == "kept"
+    assert restore_source("host", copied_on_side_stream=True) == "fetch"
+    assert restore_source("host", copied_on_side_stream=False) == "fetch"
+    with pytest.raises(ValueError, match="'nvme'"):
+        restore_source("nvme", copied_on_side_stream=False)

@@ -177,11 +177,10 @@ class Store:
 
     def _whole(self, piece: Piece, kept: Kept) -> torch.Tensor:
         here = piece.kept
-        if piece.tier == "device" and piece.event is not None:
-            # A device slot (contiguous buffer) filled on the side stream: wait for that copy and
-            # read the slot; fetching would hand back the source, alive beside its slot.
+        source = restore_source(piece.tier, piece.event is not None)
+        if source == "slot":
             torch.cuda.current_stream(piece.device).wait_event(piece.event)
-        elif piece.tier == "host" or piece.event is not None:
+        elif source == "fetch":
             if piece.fetched is None:
                 piece.fetched, piece.fetch_event = _fetch(piece)
             if piece.fetch_event is not None:
@@ -255,3 +254,18 @@ def _fetch(piece: Piece) -> tuple[torch.Tensor, Any]:
 
 
 STORE = Store()
+
+
+def restore_source(tier: str, copied_on_side_stream: bool) -> str:
+    """Where a checkpointed input is read back from at recomputation:
+    "slot"   a device slot (contiguous buffer) filled on the CUDA side stream: wait for that copy
+             and read the slot (fetching would hand back the source, alive beside its slot: the
+             bug the H100 run found);
+    "fetch"  a host piece: bring it back to the device (prefetched, or now);
+    "kept"   a device piece kept as it was: read it.
+    """
+    if tier == "device":
+        return "slot" if copied_on_side_stream else "kept"
+    if tier == "host":
+        return "fetch"
+    raise ValueError(f"a checkpointed piece lives on 'device' or 'host', not {tier!r}")
