@@ -210,7 +210,14 @@ def _load_tensor(key: str, tensor: torch.Tensor, f, ckpt_key: str, report: LoadR
     b = min(slot.offset + slot.numel, lo + unit.shard_numel)
     if a >= b:
         return  # every element of this parameter belongs to other ranks
-    _read_range(f, ckpt_key, a - slot.offset, b - slot.offset, unit.shard[a - lo:b - lo], report)
+    if unit.nvme_shard is None:
+        _read_range(f, ckpt_key, a - slot.offset, b - slot.offset, unit.shard[a - lo:b - lo], report)
+        return
+    # zero.Init(remote_device="nvme"): this parameter's piece through host memory to the file
+    piece = torch.empty(b - a, dtype=unit.compute_dtype)
+    _read_range(f, ckpt_key, a - slot.offset, b - slot.offset, piece, report)
+    unit.nvme_shard.home[a - lo:b - lo].copy_(piece)
+    unit.nvme_shard.settle()
 
 
 def _check_construction_unit(key: str, unit: Unit) -> None:

@@ -4,6 +4,7 @@ under Init, each rank reading only its shard, and TiledLinear / TiledEmbedding (
 layers split into tiles that are units of their own."""
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Iterable
 
@@ -77,6 +78,8 @@ class GatheredParameters:
 # them. Weak keys, and units that do not reference their module (module=None): a model built
 # under Init and dropped without initialize() takes its shards with it.
 _CONSTRUCTED: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()
+INIT_DIR = "zerokit-init"  # zero.Init(remote_device="nvme")'s files, under offload_param.nvme_path
+_INIT_TIERS: list = []  # its nvme tiers, closed once every construction unit is retired
 
 
 class Init:
@@ -101,8 +104,10 @@ class Init:
       dtype; zerokit keeps the built values so the fp32 master starts exact: pass dtype to halve
       the construction shards instead).
     - remote_device: None / "none" keeps each shard on the compute device, "cpu" on the host tier
-      (as offload_param does; the default when the config's offload_param.device is "cpu");
-      "nvme" is ZeRO-Infinity, not implemented yet (issue #16).
+      (as offload_param does; the default when the config's offload_param.device is "cpu"),
+      "nvme" in files under the config's offload_param.nvme_path, one module at a time (host
+      peak about one module; the default when offload_param.device is "nvme"). The construction
+      files live in <nvme_path>/zerokit-init and are removed as initialize adopts the modules.
     - pin_memory: page-lock the host shards (with remote_device "cpu"; only where CUDA exists).
     - data_parallel_group / sequence_data_parallel_group / mpu: zerokit partitions over all
       ranks, so only a group (or an mpu data-parallel group) spanning every rank is accepted.
@@ -148,6 +153,17 @@ class Init:
         self.comm = Comm.from_environment(timeout)
         self.policy = PartitionPolicy.for_stage(3)
         self.ledger = Ledger()
+        self.nvme = None
+        if self.remote_device == "nvme":
+            import os
+
+            from zerokit.tiers.nvme import NvmeTier
+
+            # A directory of its own: initialize's tier cleans <nvme_path>/zerokit-swap at start.
+            root = os.path.join(self.config.zero_optimization.offload_param.nvme_path, INIT_DIR)
+            self.nvme = NvmeTier(self.ledger, root, rank=self.comm.rank,
+                                 config=self.config.aio.engine_config())
+            _INIT_TIERS.append(self.nvme)
 
     def __enter__(self) -> "Init":
         if not self.enabled:
@@ -210,11 +226,12 @@ class Init:
             for _, p in params:
                 p.data = p.data.to(self.dtype)
         placement = PlacementPolicy(params_on_host=self.remote_device == "cpu",
-                                    param_pin_memory=self.pin_memory)
+                                    param_pin_memory=self.pin_memory,
+                                    params_on_nvme=self.remote_device == "nvme")
         unit = Unit(f"{type(module).__name__}@{id(module):x}", params, module=None, trainable=False,
                     group_index=-1, comm=self.comm, policy=self.policy,
                     compute_dtype=params[0][1].dtype, reduce_dtype=params[0][1].dtype,
-                    bucket_numel=1 << 62, ledger=self.ledger, placement=placement)
+                    bucket_numel=1 << 62, ledger=self.ledger, placement=placement, nvme=self.nvme)
         _CONSTRUCTED[module] = unit
 
 
@@ -236,6 +253,14 @@ def retire_constructed(model: nn.Module) -> None:
         unit = _CONSTRUCTED.pop(m, None)
         if unit is not None:
             unit.retire()
+    for tier in list(_INIT_TIERS):  # zero.Init(remote_device="nvme"): its files are all gone
+        if not tier.owners():
+            _INIT_TIERS.remove(tier)
+            tier.close()
+            try:
+                os.rmdir(tier.root)
+            except OSError:
+                pass
 
 
 def _children_first(module: nn.Module) -> list[nn.Module]:
@@ -339,17 +364,19 @@ def _resolve_config(config, config_dict_or_path):
 
 
 def _resolve_placement(remote_device, pin_memory: bool, config) -> tuple[str, bool]:
-    """("device" or "cpu", pin): where each construction shard lives."""
+    """("device", "cpu" or "nvme", pin): where each construction shard lives."""
     param = config.zero_optimization.offload_param if config is not None else None
-    if remote_device is None and param is not None and param.device == "cpu":
-        remote_device, pin_memory = "cpu", pin_memory or param.pin_memory  # DeepSpeed's default
-    device = {"none": "device", None: "device", "cpu": "cpu"}.get(remote_device)
-    if remote_device == "nvme":
-        raise NotImplementedError("zero.Init(remote_device='nvme'): NVMe parameter offload "
-                                  "(ZeRO-Infinity) is not implemented yet (issue #16); use 'cpu' or None")
+    if remote_device is None and param is not None and param.device in ("cpu", "nvme"):
+        remote_device, pin_memory = param.device, pin_memory or param.pin_memory  # DeepSpeed's default
+    device = {"none": "device", None: "device", "cpu": "cpu", "nvme": "nvme"}.get(remote_device)
     if device is None:
         raise ValueError(f"zero.Init(remote_device={remote_device!r}): allowed None or 'none' (the "
-                         f"compute device), 'cpu' (the host tier); 'nvme' is not implemented yet")
-    if pin_memory and device != "cpu":
-        raise ValueError("zero.Init(pin_memory=True) pins host shards: it needs remote_device='cpu'")
+                         f"compute device), 'cpu' (the host tier), 'nvme' (files)")
+    if device == "nvme" and (param is None or not param.nvme_path):
+        raise ValueError("zero.Init(remote_device='nvme') puts the weights under "
+                         "zero_optimization.offload_param.nvme_path: pass a config that sets it "
+                         "(config=... or config_dict_or_path=...)")
+    if pin_memory and device == "device":
+        raise ValueError("zero.Init(pin_memory=True) pins host shards: it needs remote_device='cpu' "
+                         "(or 'nvme', whose shards pass through host buffers)")
     return device, pin_memory

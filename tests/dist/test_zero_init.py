@@ -80,7 +80,7 @@ def test_init_peak_per_rank_is_a_fraction_of_the_model(monkeypatch) -> None:
 # ---- DeepSpeed's zero.Init arguments: each honoured or refused by name, never dropped ----------
 
 REFUSED = [
-    ({"remote_device": "nvme"}, NotImplementedError, ["remote_device='nvme'", "#16"]),
+    ({"remote_device": "nvme"}, ValueError, ["remote_device='nvme'", "offload_param.nvme_path"]),
     ({"remote_device": "disk"}, ValueError, ["remote_device", "'disk'", "'cpu'"]),
     ({"pin_memory": True}, ValueError, ["pin_memory", "remote_device"]),
     ({"dtype": torch.int8}, ValueError, ["dtype", "torch.int8", "torch.bfloat16"]),

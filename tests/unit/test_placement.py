@@ -54,7 +54,8 @@ def test_errors_name_the_key(offload, stage, words) -> None:
 
 @pytest.mark.parametrize("param, stage, words", [
     ({"device": "cpu"}, 2, ["zero_optimization.offload_param.device 'cpu' needs stage 3", "got stage 2"]),
-    ({"device": "nvme"}, 3, ["offload_param.device 'nvme' is not implemented"]),
+    ({"device": "nvme"}, 3, ["offload_param.device 'nvme' needs offload_param.nvme_path"]),
+    ({"device": "nvme", "nvme_path": "/x"}, 2, ["offload_param.device 'nvme' needs stage 3"]),
     ({"device": "cpu", "pin_memroy": True}, 3, ["did you mean 'pin_memory'"]),
 ])
 def test_offload_param_errors_name_the_key(param, stage, words) -> None:

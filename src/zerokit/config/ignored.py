@@ -88,13 +88,6 @@ IGNORED: dict[str, Ignored] = {
         ("cpu_offload_use_pin_memory", "deprecated in DeepSpeed, which does not act on it either; "
          "offload_optimizer.pin_memory and offload_param.pin_memory decide", ()),
     ]},
-    # Used only with device 'nvme', which zerokit refuses until issue #16 (ZeRO-Infinity);
-    # DeepSpeed ignores them with 'cpu' and 'none' too.
-    **{f"zero_optimization.{section}.{key}": Ignored(
-        f"used only with {section}.device 'nvme' (ZeRO-Infinity, issue #16, not implemented yet)")
-       for section, keys in [("offload_param", ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")),
-                             ]
-       for key in keys},
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": Ignored(
         "zerokit's host optimizer uses the OpenMP threads of the process (OMP_NUM_THREADS)"),
     **{key: Ignored(reason, honoured=honoured) for key, reason, honoured in [

@@ -79,7 +79,8 @@ def _offload_lines(engine: "Engine") -> list[str]:
     placement = getattr(engine, "placement", None)
     if placement is None:
         return []
-    lines = _offload_param_lines(engine, placement) if placement.params_on_host else []
+    lines = (_offload_param_lines(engine, placement)
+             if placement.params_on_host or placement.params_on_nvme else [])
     if not placement.offloads:
         return lines
     host = sum(u.host_numel for u in engine.units)
@@ -98,16 +99,26 @@ def _nvme_lines(engine: "Engine", total: int) -> list[str]:
     nvme = sum(u.layout.nvme_numel for u in engine.units)
     if not nvme:
         return []
-    on_disk = engine.ledger.bytes(tier="nvme")
+    on_disk = sum(engine.ledger.bytes(tier="nvme", kind=k) for k in ("master", "optimizer_state"))
     return [f"    {nvme:,} of {total:,} optimizer elements on NVMe on rank {engine.comm.rank}: "
             f"{_mib(on_disk)} in files (master, gradient, optimizer state); expected NVMe traffic per step "
             f"{_mib(2 * on_disk)} (each read once and written once)"]
 
 
 def _offload_param_lines(engine: "Engine", placement) -> list[str]:
-    shards = [u for u in engine.units if u.shard is not None]
+    shards = [u for u in engine.units if u.shard is not None and u.nvme_shard is None]
+    files = [u for u in engine.units if u.nvme_shard is not None]
     nbytes = engine.ledger.bytes(tier="host", kind="weights")
-    return [f"  {placement.describe_params()}",
-            f"    {len(shards)} weight shards on the host on rank {engine.comm.rank}: {_mib(nbytes)} "
-            f"left the device (weights are there only while gathered; the fp32 master is where "
-            f"offload_optimizer puts it)"]
+    lines = [f"  {placement.describe_params()}"]
+    if shards or not files:
+        lines.append(f"    {len(shards)} weight shards on the host on rank {engine.comm.rank}: "
+                     f"{_mib(nbytes)} left the device (weights are there only while gathered; the "
+                     f"fp32 master is where offload_optimizer puts it)")
+    if files:
+        on_disk = sum(u.nvme_shard.file.nbytes for u in files)
+        micro = engine.gradient_accumulation_steps()
+        lines.append(f"    {len(files)} weight shards on NVMe on rank {engine.comm.rank}: "
+                     f"{_mib(on_disk)} in files; expected weight traffic per step: read "
+                     f"{_mib(2 * micro * on_disk)} (each shard once per gather, forward and "
+                     f"backward of {micro} micro-step(s)), written {_mib(on_disk)} (once)")
+    return lines

@@ -193,14 +193,28 @@ class OffloadOptimizerConfig(_Section):
 class OffloadParamConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = Field(
         "none", description="Stage 3: where each rank's persistent weight shard lives; gathering "
-                            "copies it host -> device, then all-gathers (prefetched ahead of use).")
+                            "copies it host -> device, then all-gathers (prefetched ahead of use). "
+                            "'nvme': in a file, read into a host buffer first (core/nvme_shard.py).")
     pin_memory: bool = Field(False, description="Page-locked weight shards (faster copies on CUDA).")
+    nvme_path: str | None = Field(
+        None, description="device 'nvme': the directory the weight shard files go in (a "
+                          "zerokit-swap/rank<r> directory under it, removed on close).")
+    buffer_count: Int = Field(
+        5, ge=1, description="device 'nvme': weight shards read from NVMe ahead of their gather, "
+                             "at most this many host buffers at once.")
+    buffer_size: Int = Field(
+        100_000_000, gt=0, description="device 'nvme': elements of the largest shard read ahead; "
+                                       "a larger shard is read when its unit is gathered.")
+    max_in_cpu: Int = Field(
+        0, ge=0, description="device 'nvme': weight shard elements per rank (whole shards, first "
+                             "units first) that stay in host memory; the rest are files. "
+                             "DeepSpeed's default is 1e9; zerokit's 0 puts every shard on NVMe.")
 
     @model_validator(mode="after")
     def _valid(self) -> "OffloadParamConfig":
-        if self.device == "nvme":
-            raise ValueError("offload_param.device 'nvme' is not implemented yet (ZeRO-Infinity, issue #16); "
-                             "allowed: 'cpu', 'none'")
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("offload_param.device 'nvme' needs offload_param.nvme_path "
+                             "(a directory on the NVMe drive)")
         return self
 
 
@@ -247,10 +261,14 @@ class ZeroConfig(_Section):
             raise ValueError(f"zero_optimization.offload_optimizer.device "
                              f"'{self.offload_optimizer.device}' needs stage 1, 2 or 3 "
                              "(got stage 0): offload moves this rank's optimizer shard to the host")
-        if self.offload_param.device == "cpu" and self.stage != 3:
-            raise ValueError(f"zero_optimization.offload_param.device 'cpu' needs stage 3 (got stage "
+        if self.offload_param.device in ("cpu", "nvme") and self.stage != 3:
+            raise ValueError(f"zero_optimization.offload_param.device '{self.offload_param.device}' "
+                             f"needs stage 3 (got stage "
                              f"{self.stage}): only stage 3 partitions the weights into shards that "
                              f"can live on the host; use offload_optimizer below stage 3")
+        if self.offload_param.device == "nvme" and self.offload_optimizer.delayed_update.enabled:
+            raise ValueError("offload_param.device 'nvme' with offload_optimizer.delayed_update is "
+                             "not implemented (issue #16); allowed with offload_param.device 'cpu'")
         return self
 
 

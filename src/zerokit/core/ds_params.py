@@ -66,12 +66,13 @@ class ZeroParameter(nn.Parameter):
     @property
     def ds_tensor(self) -> torch.Tensor:
         """This rank's part of the parameter: the elements of its range that lie in this rank's
-        shard of the unit (1-D, possibly empty). A view: writing to it edits the shard."""
+        shard of the unit (1-D, possibly empty). A view: writing to it edits the shard; with
+        offload_param nvme a copy read from the shard's file (writing to it edits nothing)."""
         unit, slot = self._slot()
         lo = unit.comm.rank * unit.shard_numel
         a = min(max(slot.offset - lo, 0), unit.shard_numel)
         b = min(max(slot.offset + slot.numel - lo, 0), unit.shard_numel)
-        return unit.shard[a:b]
+        return unit.shard[a:b] if unit.nvme_shard is None else unit.shard_values()[a:b]
 
 
 def attach_ds_views(model: nn.Module, units: list[Unit]) -> None:

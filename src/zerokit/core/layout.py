@@ -12,7 +12,10 @@ records in order (core/unit.py `_allocate`); nobody compares storage pointers to
 Records (element ranges in the unit's flat index space; `a, b` = the optimizer range, `k` = the
 host part's length, `r` = this rank's shard):
     weights      compute dtype, [0, P)   device; transient at stage 3 (storage only while gathered)
-    shard        compute dtype, shard r  stage 3: device, or host with offload_param
+    shard        compute dtype, shard r  stage 3: device, or host with offload_param cpu, or
+                 nvme (a file range) with offload_param nvme beyond its max_in_cpu budget
+    shard_buffer compute dtype, shard r  with the shard on nvme: the host buffer the shard passes
+                 through, transient ([Note: weight shards on NVMe] in core/nvme_shard.py)
     grads        compute dtype, [0, P)   gradients reduced once per boundary (stage < 2)
     grad_acc     fp32, [0, P)            16-bit compute, accumulation > 1, stage < 2
     master       fp32, [a + k, b)        the device part's master (fp32 compute: the weights)
@@ -134,13 +137,15 @@ def geometry(numel: int, world: int, rank: int, shard_optimizer: bool) -> tuple[
 def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
                 placement: PlacementPolicy, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                 *, trainable: bool, grad_accum_steps: int = 1, cuda: bool = False,
-                ram_left: int = 0) -> UnitLayout:
+                ram_left: int = 0, param_ram_left: int = 0) -> UnitLayout:
     """The unit's buffers as records; see [Note: unit layout records]. Pure: allocates nothing.
 
     cuda: the compute device is a CUDA device (host buffers that cross are pinned, gradients
     land in a staging buffer). ram_left: with placement.nvme, elements of the host budget
     (offload_optimizer.max_in_cpu) the units before this one left: the offloaded range's first
-    elements up to it stay in host memory, the rest is the nvme part.
+    elements up to it stay in host memory, the rest is the nvme part. param_ram_left: with
+    placement.params_on_nvme, elements of offload_param.max_in_cpu the units before this one
+    left: a shard that fits stays in host memory, else it is a file.
     """
     padded, shard_numel, (a, b) = geometry(numel, world, rank, partition.shard_optimizer)
     fp32 = compute_dtype == torch.float32
@@ -149,9 +154,13 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     records = [BufferRecord("weights", "weights", "device", compute_dtype, 0, padded,
                             transient=partition.shard_weights)]
     lo = rank * shard_numel
+    shard_tier = placement.param_tier(shard_numel, param_ram_left)
     if partition.shard_weights:
-        records.append(BufferRecord("shard", "weights", "host" if placement.params_on_host else "device",
-                                    compute_dtype, lo, lo + shard_numel, pinned=pin_params))
+        records.append(BufferRecord("shard", "weights", shard_tier, compute_dtype, lo,
+                                    lo + shard_numel, pinned=pin_params and shard_tier != "nvme"))
+        if shard_tier == "nvme":
+            records.append(BufferRecord("shard_buffer", "buffers", "host", compute_dtype, lo,
+                                        lo + shard_numel, pinned=pin_params, transient=True))
     home = "shard" if partition.shard_weights else "weights"  # where the weights persist
     if not trainable:
         return UnitLayout(numel, padded, shard_numel, (a, b), (), tuple(records))
@@ -178,19 +187,21 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
         records.append(BufferRecord("grad_acc", "grads", "device", f32, 0, padded,
                                     alias_of="master_grad" if sums_in_master else None))
     if h:
-        records += _host_part_records(placement, partition, compute_dtype, a, a + h, cuda)
+        records += _host_part_records(placement, partition, compute_dtype, a, a + h, cuda,
+                                      shard_tier)
     if k > h:
         records += _nvme_part_records(placement, partition, compute_dtype, a + h, a + k, cuda)
     return UnitLayout(numel, padded, shard_numel, (a, b), parts, tuple(records))
 
 
 def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
-                       compute_dtype: torch.dtype, lo: int, hi: int, cuda: bool) -> list[BufferRecord]:
+                       compute_dtype: torch.dtype, lo: int, hi: int, cuda: bool,
+                       shard_tier: str) -> list[BufferRecord]:
     f32 = torch.float32
     fp32 = compute_dtype == f32
     pin = placement.pin_memory and cuda and torch.cuda.is_available()
     # offload_param without the delay: the host update writes the host shard in place.
-    in_place = placement.params_on_host and not placement.delayed and partition.shard_weights
+    in_place = shard_tier == "host" and not placement.delayed and partition.shard_weights
     out = [BufferRecord("host_master", "master", "host", f32, lo, hi, pinned=pin,
                         alias_of="shard" if in_place and fp32 else None)]
     # With the delayed update the worker reads one gradient buffer while the next backward fills

@@ -16,7 +16,9 @@ Unit allocates them from its tiers and keeps these names for them:
                 logical shapes and autograd's saved tensors see the weights again when re-gathered.
 - `shard`       stage 3: this rank's compute-dtype shard, the persistent copy of the weights, on
                 the device or (offload_param) the host tier; gathering first copies it into this
-                rank's slot of `flat`.
+                rank's slot of `flat`. With offload_param nvme it is a host buffer with storage
+                only while the values pass through, and `nvme_shard` holds the file
+                ([Note: weight shards on NVMe] in core/nvme_shard.py).
 While released, each parameter's `.data` is a NaN placeholder of its logical shape that owns one
 element (zero strides): `p.shape` stays true, reading it cannot crash, computing with it is
 visibly wrong, and writing to it raises. Gathering points the parameters back into `flat`.
@@ -163,6 +165,10 @@ class Unit:
             if r.alias_of is not None:
                 target = self.layout.record(r.alias_of)
                 bufs[r.name] = bufs[r.alias_of][r.lo - target.lo:r.hi - target.lo]
+            elif r.transient and r.tier == "host":  # a shard's host buffer (core/nvme_shard.py)
+                from zerokit.core.nvme_part import host_buffer
+
+                bufs[r.name] = host_buffer(r.numel, r.dtype)
             elif r.transient:  # counted while it has storage (see gather / _free_flat)
                 bufs[r.name] = torch.zeros(r.numel, dtype=r.dtype, device=self.device)
             else:
@@ -184,12 +190,22 @@ class Unit:
             s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
             s.param.grad = None
             _UNIT_OF[id(s.param)] = self
-        self.shard: torch.Tensor | None = bufs.get("shard")
+        self.nvme_shard = None  # offload_param nvme: the shard's file (core/nvme_shard.py)
+        if isinstance(bufs.get("shard"), torch.Tensor) or "shard" not in bufs:
+            self.shard: torch.Tensor | None = bufs.get("shard")
+        else:
+            from zerokit.core.nvme_shard import NvmeShard
+
+            self.shard = bufs["shard_buffer"]
+            self.nvme_shard = NvmeShard(tiers["nvme"], bufs["shard"], self.shard, self.ledger)
         self._placeholder = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
         self._state = WeightState.GATHERED
         if self.shard is not None:
             lo = self.comm.rank * self.shard_numel
             self.shard.copy_(flat[lo:lo + self.shard_numel])
+            if self.nvme_shard is not None:
+                self.nvme_shard.write_values(self.shard)
+                self.nvme_shard.drop_clean()
             self._free_flat()
         self.grad_flat: torch.Tensor | None = bufs.get("grads")
         self.grad_acc: torch.Tensor | None = bufs.get("grad_acc")
@@ -199,6 +215,8 @@ class Unit:
         if not self.trainable:
             return
         home = self.shard if self.shard is not None else flat
+        if self.nvme_shard is not None:  # the parts write new weights straight to the file
+            home = self.nvme_shard.home
         home_lo = self.layout.record("shard" if self.shard is not None else "weights").lo
         host = next((p for p in self.layout.parts if p.tier == "host"), None)
         if host is not None:
@@ -389,6 +407,18 @@ class Unit:
         self.wait_weights()  # a gather still in flight lands before the new one starts
         self._start_gather()  # persistent / still-gathered units gather anew
 
+    # ---- a weight shard on NVMe ([Note: weight shards on NVMe] in core/nvme_shard.py) ---------
+    def fetch(self) -> None:
+        """Start reading the shard from NVMe (a prefetch); nothing for a shard in memory."""
+        if self.nvme_shard is not None and self.state is WeightState.SHARDED:
+            self.nvme_shard.fetch()
+
+    def shard_values(self) -> torch.Tensor:
+        """This rank's shard of the compute weights (read from its file if on NVMe)."""
+        if self.nvme_shard is None:
+            return self.shard
+        return self.nvme_shard.ready().clone()
+
     @property
     def state(self) -> WeightState:
         return self._state
@@ -400,6 +430,8 @@ class Unit:
         """Start gathering the full weights into `flat` (stage 3, or a re-publish); idempotent."""
         if self.state is not WeightState.SHARDED:
             return
+        if self.nvme_shard is not None:  # read from NVMe first (or wait for the prefetch's read)
+            self.nvme_shard.ready()
         nbytes = self.padded_numel * self.flat.element_size()
         if self.flat.untyped_storage().nbytes() != nbytes:
             self.flat.untyped_storage().resize_(nbytes)
@@ -415,6 +447,14 @@ class Unit:
             return
         lo = self.comm.rank * self.shard_numel
         own = self.flat[lo:lo + self.shard_numel]  # this rank's slot: the all-gather's input
+        if self.nvme_shard is not None:
+            # From NVMe through the host buffer: waits for its read (or reads now). The buffer is
+            # freed once copied (on CUDA the pinned allocator keeps it until the copy is done).
+            own.copy_(self.nvme_shard.ready(), non_blocking=self.nvme_shard.buffer.is_pinned())
+            self.nvme_shard.drop_clean()
+            self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
+                                                       unit=self.index)
+            return
         if self.shard.device == own.device or not uses_streams(own):
             # A device shard; or offload_param on a CPU-only machine, where this is the same
             # host -> "device" copy between two buffers, synchronous.
@@ -434,6 +474,8 @@ class Unit:
         self._fetch_stream = side
 
     def wait_weights(self) -> None:
+        if self.nvme_shard is not None:  # the step's write of the shard lands, its buffer freed
+            self.nvme_shard.settle()
         if self.state is WeightState.GATHERING:
             handle, self._gather_handle = self._gather_handle, None
             handle.wait()
@@ -466,7 +508,10 @@ class Unit:
         """
         if self.shard is not None:
             lo = self.comm.rank * self.shard_numel
-            self.shard.copy_(self.flat[lo:lo + self.shard_numel])
+            if self.nvme_shard is not None:
+                self.nvme_shard.write_values(self.flat[lo:lo + self.shard_numel])
+            else:
+                self.shard.copy_(self.flat[lo:lo + self.shard_numel])
         for part in self.parts:
             part.absorb(self.flat[part.lo:part.hi])
 
@@ -481,6 +526,9 @@ class Unit:
             if unit_of(s.param) is self:
                 del _UNIT_OF[id(s.param)]
         self.flat.untyped_storage().resize_(0)
+        if self.nvme_shard is not None:
+            self.nvme_shard.close()
+            self.nvme_shard = None
         self.shard = None
         for r in self.layout.records:  # what the tiers allocated leaves the ledger with them
             if r.alias_of is None and not r.transient:
@@ -521,7 +569,7 @@ class Unit:
             partitioned = self.policy.shard_optimizer
         elif self.shard is not None:
             lo = self.comm.rank * self.shard_numel
-            full[lo:lo + self.shard_numel].copy_(self.shard)
+            full[lo:lo + self.shard_numel].copy_(self.shard_values())
             partitioned = True
         else:
             return self.flat.float()

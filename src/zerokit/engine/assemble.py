@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Iterable
 
 import torch
@@ -71,7 +72,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     need = host_budget.host_need(layouts, recipe.kind)
     on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind, need)
     host_budget.check_host_memory(need, placement)
-    nvme = NvmeTier(ledger, cfg.zero_optimization.offload_optimizer.nvme_path, rank=comm.rank,
+    nvme = NvmeTier(ledger, on_nvme, rank=comm.rank,
                     config=cfg.aio.engine_config()) if on_nvme else None
     units = []
     for (name, module, group, trainable, params), layout in zip(groups, layouts):
@@ -107,6 +108,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
     if policy.shard_weights:
         attach_ds_views(model, units)  # see [Note: ds_* views]
     engine.placement = placement
+    if nvme is not None:  # closed (files removed) when the engine is released, after the units
+        engine._attachment.tiers.append(nvme)
     _configure_activation_checkpointing(cfg, ledger)
     report_startup(engine)
     dataloader = _dataloader(training_data, batch[1], comm, collate_fn)
@@ -129,12 +132,15 @@ def _layouts(groups: list, comm: Comm, policy: PartitionPolicy, dtype: torch.dty
              reduce: torch.dtype, accumulation: int, placement: PlacementPolicy) -> list[UnitLayout]:
     """Every unit's buffer records under `placement` (core/layout.py; pure, allocates nothing)."""
     layouts, ram_left = [], placement.ram_numel  # the host budget, spent in unit order
+    param_ram_left = placement.param_ram_numel  # offload_param.max_in_cpu, the same way
     for _name, _module, _group, trainable, params in groups:
         layouts.append(plan_layout(sum(p.numel() for _, p in params), comm.world_size, comm.rank,
                                    policy, placement, dtype, reduce, trainable=trainable,
                                    grad_accum_steps=accumulation, cuda=comm.device.type == "cuda",
-                                   ram_left=ram_left))
+                                   ram_left=ram_left, param_ram_left=param_ram_left))
         ram_left -= layouts[-1].host_numel if placement.nvme else 0
+        if placement.params_on_nvme and layouts[-1].record("shard").tier == "host":
+            param_ram_left -= layouts[-1].shard_numel
     return layouts
 
 
@@ -145,16 +151,35 @@ def _stream_settings(cfg) -> StreamSettings:
 
 
 def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None,
-                need: host_budget.HostNeed) -> bool:
-    """offload_optimizer device 'nvme': the path checked against the plan (nvme_plan.py) and the
-    stream's host buffers added to the host need. False when nothing is on NVMe."""
-    largest = max((lay.nvme_numel for lay in layouts), default=0)
-    if not placement.nvme or not largest:
-        return False
-    path = cfg.zero_optimization.offload_optimizer.nvme_path
-    nvme_plan.check_nvme_path(path, nvme_plan.nvme_need(layouts, kind))
-    need.buffers += buffer_set_bytes(_stream_settings(cfg), kind, largest)
-    return True
+                need: host_budget.HostNeed) -> str | None:
+    """offload_optimizer / offload_param device 'nvme': the path checked against the plan
+    (nvme_plan.py) and the host buffers added to the host need. Returns the path, or None when
+    nothing is on NVMe."""
+    zero = cfg.zero_optimization
+    largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
+    shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
+    paths = []
+    if largest:
+        nvme_plan.check_nvme_path(zero.offload_optimizer.nvme_path, nvme_plan.nvme_need(layouts, kind)
+                                  + (nvme_plan.weight_need(layouts) if shards and
+                                     zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path
+                                     else 0))
+        need.buffers += buffer_set_bytes(_stream_settings(cfg), kind, largest)
+        paths.append(zero.offload_optimizer.nvme_path)
+    if shards:
+        if paths and os.path.realpath(paths[0]) != os.path.realpath(zero.offload_param.nvme_path):
+            raise NotImplementedError(
+                f"offload_param.nvme_path {zero.offload_param.nvme_path!r} and "
+                f"offload_optimizer.nvme_path {paths[0]!r} differ: one swap directory per run is "
+                f"implemented (issue #16); give both the same path")
+        nvme_plan.check_nvme_path(zero.offload_param.nvme_path, nvme_plan.weight_need(layouts),
+                                  section="offload_param", what="16-bit weight shards on NVMe")
+        # the shards read ahead (buffer_count) and the one a gather reads now
+        largest_shard = max(min(r.numel, placement.param_buffer_size) for r in shards)
+        element = torch.empty(0, dtype=shards[0].dtype).element_size()
+        need.buffers += (placement.param_buffer_count + 1) * largest_shard * element
+        paths = paths or [zero.offload_param.nvme_path]
+    return paths[0] if paths else None
 
 
 def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledger: Ledger,

@@ -53,6 +53,7 @@ class Attachment:
         self.sharded = sharded  # stage 3: the model cannot work without the engine
         self.hooks: list = []  # RemovableHandles of the hooks on the model
         self.executors: list = []  # optimizer executors, whose worker threads may be running
+        self.tiers: list = []  # nvme tiers (weight shard files): closed, files removed, at release
         self.released = False
 
     def release(self, how: str) -> None:
@@ -73,6 +74,9 @@ class Attachment:
                 s.param.grad = None  # views of the unit's gradient buffer: let it go
             if self.sharded:
                 u._point_params_at(None)  # keep no gathered buffer alive through the model
+        for tier in self.tiers:  # after the units' writes in flight landed
+            tier.close()
+        self.tiers = []
         if self.sharded:
             self.module.register_forward_pre_hook(functools.partial(_detached, how), prepend=True)
         self.comm.close()

@@ -77,7 +77,7 @@ def state_to_save(engine: "Engine") -> SaveState:
     scalars: dict[str, dict[str, Any]] = {}
     for u in engine.units:
         lo, hi = rank * u.shard_numel, (rank + 1) * u.shard_numel
-        weights = u.shard if u.shard is not None else u.flat[lo:hi]
+        weights = _shard_piece(u) if u.shard is not None else u.flat[lo:hi]
         if not u.trainable:
             pieces.append(SavePiece(f"{u.name}/weights", (weights,)))
             continue
@@ -110,6 +110,16 @@ def _saved(t):
     if isinstance(t, NvmeRange):
         return FileRange(t.path, t.offset, t.numel, t.dtype)
     return t
+
+
+def _shard_piece(u: "Unit"):
+    """A stage-3 unit's weight shard as a segment or load target: the host or device tensor, or
+    (offload_param nvme) its file range, streamed file to file, its writes in flight landed."""
+    if u.nvme_shard is None:
+        return u.shard
+    u.nvme_shard.settle()
+    u.nvme_shard.drop_clean()  # a read-ahead copy would go stale under a load
+    return _saved(u.nvme_shard.file)
 
 
 def _narrow(t, a: int, b: int):
@@ -186,7 +196,7 @@ def _load_weights(engine: "Engine", fill: Fill, records: dict[str, UnitRecord]) 
             continue
         if u.shard is not None:  # stage 3: the shard is the home of a frozen unit's weights
             lo = rank * u.shard_numel
-            fill(LoadPiece(rec, "values", lo, lo + u.shard_numel, u.shard))
+            fill(LoadPiece(rec, "values", lo, lo + u.shard_numel, _shard_piece(u)))
             if u.state is not WeightState.SHARDED:
                 fill(LoadPiece(rec, "values", 0, u.padded_numel, u.flat))
         else:
@@ -270,7 +280,7 @@ def _restore_pipeline(engine: "Engine", fill: Fill, records: dict[str, UnitRecor
         lo = rank * u.shard_numel
         u.wait_weights()  # the load's own gather of the master must not land over these
         if u.shard is not None:
-            fill(LoadPiece(records[u.name], IN_USE, lo, lo + u.shard_numel, u.shard))
+            fill(LoadPiece(records[u.name], IN_USE, lo, lo + u.shard_numel, _shard_piece(u)))
         else:
             fill(LoadPiece(records[u.name], IN_USE, 0, u.padded_numel, u.flat))
         u.publish_weights()

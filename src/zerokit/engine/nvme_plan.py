@@ -5,6 +5,8 @@ nvme parts in files under `nvme_path` (tiers/nvme.py). Before anything is alloca
 `check_nvme_path` checks that the path exists, is a directory, can be written, and has room for
 what every rank on this machine will reserve; each failure names the path and the numbers.
 `nvme_need` is the bytes this rank reserves, `step_traffic` what one step reads and writes.
+With offload_param device 'nvme' the stage-3 weight shards are files too (`weight_need`,
+`weight_traffic`), checked against offload_param.nvme_path.
 """
 from __future__ import annotations
 
@@ -29,6 +31,18 @@ def nvme_need(layouts: list, optimizer_kind: str | None) -> int:
                + state * layout.nvme_numel for layout in layouts)
 
 
+def weight_need(layouts: list) -> int:
+    """Bytes this rank's weight shard files reserve (offload_param device 'nvme')."""
+    return sum(layout.bytes("nvme").get("weights", 0) for layout in layouts)
+
+
+def weight_traffic(layouts: list, micro_steps: int) -> tuple[int, int]:
+    """(bytes read, bytes written) per step for the weight shard files: each shard read once
+    per gather, a forward and a backward one per micro-step, and written once after the step."""
+    need = weight_need(layouts)
+    return 2 * micro_steps * need, need
+
+
 def step_traffic(layouts: list, optimizer_kind: str | None) -> int:
     """NVMe bytes one step moves on this rank: every nvme element's master, gradient and state
     written once and read once."""
@@ -36,9 +50,11 @@ def step_traffic(layouts: list, optimizer_kind: str | None) -> int:
 
 
 def check_nvme_path(path: str, need: int, ranks: int | None = None,
-                    free: int | None = None) -> None:
-    """Raises NvmePathError when `ranks` ranks each reserving `need` bytes cannot use `path`."""
-    key = "zero_optimization.offload_optimizer.nvme_path"
+                    free: int | None = None, *, section: str = "offload_optimizer",
+                    what: str = "fp32 master, gradient and optimizer state on NVMe") -> None:
+    """Raises NvmePathError when `ranks` ranks each reserving `need` bytes cannot use `path`
+    (`section`'s nvme_path, holding `what`)."""
+    key = f"zero_optimization.{section}.nvme_path"
     if not os.path.exists(path):
         raise NvmePathError(errno.ENOENT, f"{key} {path!r} does not exist; create the directory "
                                           f"(on the NVMe drive) first")
@@ -56,7 +72,7 @@ def check_nvme_path(path: str, need: int, ranks: int | None = None,
     if need * ranks > free:
         raise NvmePathError(errno.ENOSPC,
                             f"{key} {path!r} has {size(free)} free, but the plan reserves "
-                            f"{size(need)} per rank (fp32 master, gradient and optimizer state on NVMe) x "
+                            f"{size(need)} per rank ({what}) x "
                             f"{ranks} rank(s) on this machine = {size(need * ranks)}; free space, "
                             f"choose another path, or keep more in host memory "
-                            f"(offload_optimizer.max_in_cpu)")
+                            f"({section}.max_in_cpu)")

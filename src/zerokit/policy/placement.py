@@ -9,6 +9,9 @@ at the same time. A stage never appears here: every stage >= 1 has an optimizer 
 
 `params_on_host` (offload_param) places the other piece a rank owns at stage 3, its compute-dtype
 weight shard: it lives on the host tier and crosses to the device when the unit is gathered.
+`params_on_nvme` (offload_param device 'nvme') puts it in a file instead, read through a host
+buffer when gathered, except the first shards up to `param_ram_numel` elements (max_in_cpu), which
+stay on the host tier (`param_tier`).
 """
 from __future__ import annotations
 
@@ -35,6 +38,12 @@ class PlacementPolicy:
         kernel.
     ram_numel: with nvme, offload_optimizer.max_in_cpu: offloaded elements per rank (first units
         first) that stay in host memory instead; the host budget.
+    params_on_nvme: offload_param device 'nvme': weight shards are files on the nvme tier.
+    param_ram_numel: with params_on_nvme, offload_param.max_in_cpu: weight shard elements per rank
+        (whole shards, first units first) that stay on the host tier instead.
+    param_buffer_count / param_buffer_size: with params_on_nvme, offload_param.buffer_count and
+        buffer_size: shards read ahead of their gather, at most this many, each at most this many
+        elements (larger shards are read when gathered).
     """
 
     ratio: float = 0.0
@@ -47,11 +56,17 @@ class PlacementPolicy:
     param_pin_memory: bool = False
     nvme: bool = False
     ram_numel: int = 0
+    params_on_nvme: bool = False
+    param_ram_numel: int = 0
+    param_buffer_count: int = 5
+    param_buffer_size: int = 100_000_000
 
     @classmethod
     def from_config(cls, zero_cfg) -> "PlacementPolicy":
         off, par = zero_cfg.offload_optimizer, zero_cfg.offload_param
-        params = {"params_on_host": par.device == "cpu", "param_pin_memory": par.pin_memory}
+        params = {"params_on_host": par.device == "cpu", "param_pin_memory": par.pin_memory,
+                  "params_on_nvme": par.device == "nvme", "param_ram_numel": par.max_in_cpu,
+                  "param_buffer_count": par.buffer_count, "param_buffer_size": par.buffer_size}
         if off.device == "nvme":
             if off.ratio == "auto":
                 raise ValueError("offload_optimizer.ratio 'auto' with device 'nvme' is not "
@@ -85,6 +100,13 @@ class PlacementPolicy:
             return offloaded
         return max(0, ram_left // SPLIT_ALIGN * SPLIT_ALIGN)
 
+    def param_tier(self, shard_numel: int, param_ram_left: int) -> str:
+        """The tier of a stage-3 weight shard of `shard_numel` elements when `param_ram_left`
+        elements of offload_param.max_in_cpu remain."""
+        if self.params_on_nvme:
+            return "host" if shard_numel <= param_ram_left else "nvme"
+        return "host" if self.params_on_host else "device"
+
     def tier(self, piece: str, host_part: bool) -> str:
         """The ledger tier of `piece` ('master', 'optimizer_state', 'grads') for one part."""
         if piece not in ("master", "optimizer_state", "grads"):
@@ -92,6 +114,12 @@ class PlacementPolicy:
         return "host" if host_part else "device"
 
     def describe_params(self) -> str:
+        if self.params_on_nvme:
+            return (f"offload_param: weight shards on NVMe (ZeRO-Infinity), read ahead into up to "
+                    f"{self.param_buffer_count} host buffers (offload_param.buffer_count) before "
+                    f"their gather and written back after each step; up to "
+                    f"{self.param_ram_numel:,} elements per rank kept in host memory "
+                    f"(offload_param.max_in_cpu)")
         return ("offload_param: weight shards on the host, copied host -> device when gathered "
                 "(prefetched ahead of use)" if self.params_on_host else
                 "offload_param: none (weight shards on the device)")

@@ -6,6 +6,12 @@ them) and, from the next iteration on, gathers ahead in that order within
 gathered. When the order changes (data-dependent control flow) prefetching stops for that
 iteration, which stays correct, and the new order is recorded.
 
+With offload_param device 'nvme' the prefetch has a first level: beyond the units it gathers, it
+starts reading the next units' shards from NVMe into their host buffers (core/nvme_shard.py), at
+most `offload_param.buffer_count` shards in host memory at once, each at most `buffer_size`
+elements (a larger one is read when gathered). Each rank reads only its own shard; the gather
+then all-gathers them, so the read bandwidth grows with the ranks.
+
 Ranks that take different paths gather different units: every gather carries its unit's index,
 so they fail naming both units instead of pairing collectives wrongly (see [Note: rank
 agreement] in core/agreement.py); a use needs no collective of its own for that.
@@ -32,6 +38,8 @@ class Stage3Scheduler:
         self.max_live_numel = cfg.stage3_max_live_parameters
         self.max_reuse_distance = cfg.stage3_max_reuse_distance
         self.reshard_after_forward = cfg.reshard_after_forward
+        self.nvme_buffers = cfg.offload_param.buffer_count  # shards read ahead at most
+        self.nvme_buffer_numel = cfg.offload_param.buffer_size
         for u in units:
             u.persistent = u.numel <= cfg.stage3_param_persistence_threshold
         self.trace: list[Unit] = []      # uses of the last recorded iteration
@@ -39,7 +47,9 @@ class Stage3Scheduler:
         self._pos = 0
         self._following = False          # the current iteration matches `trace` so far
         self._in_backward: set[Unit] = set()  # used by this backward, gradients not all produced
-        self.stats = {"uses": 0, "prefetched": 0, "recorded": 0}  # read by tests and reports
+        # read by tests and reports; nvme_*: shards read ahead from NVMe, most in host memory at once
+        self.stats = {"uses": 0, "prefetched": 0, "recorded": 0, "nvme_read_ahead": 0,
+                      "nvme_buffers_peak": 0}
 
     # ---- events (called by the engine's hooks) -------------------------------------------------
     def start_iteration(self) -> None:
@@ -124,6 +134,7 @@ class Stage3Scheduler:
                    if u.state is not WeightState.SHARDED and not u.persistent)
 
     def _prefetch(self) -> None:
+        self._read_ahead()  # first: the reads from NVMe run while the gathers below wait on theirs
         budget = self.prefetch_numel
         live = self._live_numel()
         for u in self.trace[self._pos:]:
@@ -135,6 +146,23 @@ class Stage3Scheduler:
             self.stats["prefetched"] += 1
             budget -= u.padded_numel
             live += u.padded_numel
+
+    def _read_ahead(self) -> None:
+        """NVMe -> host for the next shards in the trace, within offload_param.buffer_count."""
+        on_nvme = [u for u in self.units if u.nvme_shard is not None]
+        if not on_nvme:
+            return
+        buffers = sum(u.nvme_shard.in_host_memory for u in on_nvme)
+        for u in self.trace[self._pos:]:
+            if buffers >= self.nvme_buffers:
+                break
+            if (u.nvme_shard is None or u.state is not WeightState.SHARDED
+                    or u.nvme_shard.in_host_memory or u.shard_numel > self.nvme_buffer_numel):
+                continue
+            u.fetch()
+            buffers += 1
+            self.stats["nvme_read_ahead"] += 1
+        self.stats["nvme_buffers_peak"] = max(self.stats["nvme_buffers_peak"], buffers)
 
     def _reused_soon(self, unit: Unit) -> bool:
         """Is the unit used again within max_reuse_distance elements of other units' use?"""

@@ -174,6 +174,10 @@ class NvmeTier:
         self.ledger.hold_bytes(owner, kind, self.name, rng.nbytes)
         return rng
 
+    def owners(self) -> list[str]:
+        """The owners of the ranges allocated now."""
+        return list(self._ranges)
+
     def free(self, owner: str) -> None:
         rng = self._ranges.pop(owner)
         try:
