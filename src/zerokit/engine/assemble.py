@@ -100,7 +100,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
     torch_optimizer = build_optimizer(recipe, masters)
     scheduler = _scheduler(cfg, lr_scheduler, torch_optimizer, optimizer)
     executors = _executors(units, placement, torch_optimizer, ledger)
-    if nvme is not None:  # after the host executor (its worker overlaps the stream), before torch
+    if any(p.tier == "nvme" for u in units for p in u.parts):  # after the host executor (its
+        # worker overlaps the stream), before torch
         executors.insert(-1, _nvme_executor(cfg, units, nvme, torch_optimizer, ledger, placement))
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch,
                     executors)

@@ -1,0 +1,227 @@
+"""ZeRO-Infinity's weights on NVMe (offload_param device 'nvme', core/nvme_shard.py).
+
+- parity: stage-3 weight shards in files give the weights of the same run with them in host
+  memory (offload_param 'cpu'), bit for bit, fp32 and bf16, world 1 and 2, with the optimizer on
+  cpu and on nvme, AdamW (clipped) and an SGD-like, scale-sensitive update; eval()/no_grad forwards
+  between steps and weights read after step() agree too; fp32 AdamW also matches the plain-torch
+  reference within test_offload.py's bound.
+- the scheduler reads shards ahead of their gather, never more than buffer_count at once, and the
+  I/O counters see every shard written once per step.
+- max_in_cpu keeps the first shards in host memory: same numbers; the plan lists the NVMe bytes.
+- checkpoints resume exactly and move between cpu and nvme weight placements.
+- zero.Init(remote_device="nvme") builds the model the plain build gives.
+- a deleted or truncated shard file fails naming the file.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from harness import run_world
+from reference import engine_train, global_batches, rank_micro_batch, reference_train, tiny_gpt
+from test_offload import _close
+
+STEPS, MICRO, LR = 3, 2, 1e-3
+
+
+def _config(dtype, param, opt, path, *, optimizer="AdamW", clip=1.0, extra=None) -> dict:
+    zero = {"stage": 3, "reduce_bucket_size": 2000, "sub_group_size": 1000,
+            "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+    zero["offload_optimizer"] = ({"device": "nvme", "nvme_path": path, "buffer_count": 3}
+                                 if opt == "nvme" else {"device": opt})
+    zero["offload_param"] = ({"device": "nvme", "nvme_path": path, "buffer_count": 2, **(extra or {})}
+                             if param == "nvme" else {"device": param})
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip,
+           "bf16": {"enabled": dtype == "bf16"}, "zero_optimization": zero,
+           "aio": {"block_size": 65536, "queue_depth": 4, "thread_count": 2}}
+    if optimizer == "SGD":  # as test_nvme_optimizer.py: Adam without moments, eps >> |g|: linear in g
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": LR, "betas": [0.0, 0.0], "eps": 1e3}}
+    else:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}
+    return cfg
+
+
+def _train(rank, world, cfg, model=None):
+    """STEPS steps; after each, the step's weights read under GatheredParameters and an eval
+    forward under no_grad (the same batch), then the fp32 weights and the scheduler's counts."""
+    import zerokit
+    from zerokit.zero import GatheredParameters
+
+    engine, *_ = zerokit.initialize(model=model if model is not None else tiny_gpt(), config=cfg)
+    batches = global_batches(STEPS, MICRO * world)
+    seen = []
+
+    def after_step(i):
+        weight = engine.module.transformer.h[1].mlp.c_fc.weight
+        with GatheredParameters([weight]):
+            seen.append(weight.detach().float().clone())
+        engine.eval()
+        with torch.no_grad():
+            x, y = rank_micro_batch(batches[i], rank, world, 0, 1)
+            seen.append(engine(x, y).detach().float())
+        engine.train()
+
+    losses = engine_train(engine, batches, rank, world, after_step=after_step)
+    nvme = next((u.nvme_shard.nvme for u in engine.units if u.nvme_shard is not None), None)
+    out = {"losses": losses, "weights": engine.consolidated_fp32_state_dict(), "seen": seen,
+           "stats": dict(engine.scheduler.stats),
+           "files": sum(u.nvme_shard is not None for u in engine.units),
+           "shard_bytes": sum(u.nvme_shard.file.nbytes for u in engine.units if u.nvme_shard),
+           "io": None if nvme is None else (nvme.stats.bytes_read, nvme.stats.bytes_written),
+           "nvme_weights": engine.ledger.bytes(tier="nvme", kind="weights")}
+    engine.destroy()
+    return out
+
+
+def _exact(a, b, what):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.equal(a[k], b[k]), (what, k, (a[k] - b[k]).abs().max().item())
+
+
+GRID = [(dtype, opt, optimizer) for dtype in ("fp32", "bf16") for opt in ("cpu", "nvme")
+        for optimizer in ("AdamW", "SGD")]
+
+
+def _grid_world(rank, world, path):
+    out = {}
+    for dtype, opt, optimizer in GRID:
+        clip = 0.0 if optimizer == "SGD" else 1.0  # SGD: nothing rescales the gradient but the step
+        for param in ("cpu", "nvme"):
+            out[dtype, opt, optimizer, param] = _train(
+                rank, world, _config(dtype, param, opt, path, optimizer=optimizer, clip=clip))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nvme_params_equal_cpu_params(tmp_path, world):
+    results = run_world(_grid_world, world, str(tmp_path), timeout=300)
+    for r in results:
+        for dtype, opt, optimizer in GRID:
+            cpu, nvme = (r[dtype, opt, optimizer, p] for p in ("cpu", "nvme"))
+            what = (world, dtype, opt, optimizer)
+            assert nvme["files"] == 3 and cpu["files"] == 0, what  # every unit's shard in a file
+            assert nvme["nvme_weights"] == nvme["shard_bytes"] > 0, what
+            assert nvme["losses"] == cpu["losses"], what
+            _exact(nvme["weights"], cpu["weights"], what)
+            assert len(nvme["seen"]) == 2 * STEPS, what
+            for a, b in zip(nvme["seen"], cpu["seen"]):  # weights after step(), eval forwards
+                assert torch.equal(a, b), what
+            # prefetch: shards read ahead of their gathers, within buffer_count (2)
+            assert nvme["stats"]["nvme_read_ahead"] > 0, (what, nvme["stats"])
+            assert 0 < nvme["stats"]["nvme_buffers_peak"] <= 2, (what, nvme["stats"])
+            if opt == "cpu":  # the tier's counters see the weights alone: built once, then one
+                # write per step; read at least once per step (gathers; the eval forwards too)
+                read, written = nvme["io"]
+                assert written == (STEPS + 1) * nvme["shard_bytes"], (what, nvme["io"])
+                assert read >= 2 * STEPS * nvme["shard_bytes"], (what, nvme["io"])
+    assert not os.listdir(tmp_path), "the swap directory is removed when the engine is destroyed"
+    if world == 2:  # fp32 AdamW against plain torch (test_offload.py's bound)
+        ref_losses, ref = reference_train(
+            tiny_gpt, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1),
+            global_batches(STEPS, MICRO * world), clip=1.0)
+        got = results[0]["fp32", "nvme", "AdamW", "nvme"]
+        _close((3, "fp32"), (got["losses"], got["weights"], None), (ref_losses, ref, None),
+               steps=STEPS)
+
+
+def _split_world(rank, world, path):
+    import zerokit
+    from zerokit.config.plan import explain
+
+    cpu = _train(rank, world, _config("bf16", "cpu", "cpu", path))
+    # the first unit's shard (6,960 elements / world, padded) fits, the next does not
+    split = _train(rank, world, _config("bf16", "nvme", "cpu", path, extra={"max_in_cpu": 7000}))
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config=_config("bf16", "nvme", "cpu", path))
+    plan = explain(engine)
+    engine.destroy()
+    return cpu, split, plan
+
+
+def test_max_in_cpu_splits_shards_and_plan_lists_them(tmp_path):
+    for cpu, split, plan in run_world(_split_world, 1, str(tmp_path)):
+        assert 0 < split["files"] < 3, split["files"]
+        _exact(split["weights"], cpu["weights"], "max_in_cpu")
+        assert split["losses"] == cpu["losses"]
+        assert "weight shards on NVMe on rank 0" in plan and "expected weight traffic" in plan, plan
+        assert "offload_param.max_in_cpu" in plan, plan
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def _resume(rank, world, save_cfg, load_cfg, ckpt):
+    """2 steps with save_cfg, save, 1 more: weights A; a fresh engine with load_cfg loads and
+    trains the same step: weights B."""
+    import zerokit
+
+    batches = global_batches(3, MICRO * world)
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config=save_cfg)
+    engine_train(engine, batches[:2], rank, world)
+    engine.save_checkpoint(ckpt, tag="t")
+    engine_train(engine, batches[2:], rank, world)
+    a = engine.consolidated_fp32_state_dict()
+    engine.destroy()
+    engine, *_ = zerokit.initialize(model=tiny_gpt(seed=7), config=load_cfg)
+    engine.load_checkpoint(ckpt, tag="t")
+    engine_train(engine, batches[2:], rank, world)
+    b = engine.consolidated_fp32_state_dict()
+    engine.destroy()
+    return a, b
+
+
+def test_checkpoint_resume_and_placement_moves(tmp_path):
+    (tmp_path / "swap").mkdir()
+    nvme = _config("bf16", "nvme", "nvme", str(tmp_path / "swap"))
+    cpu = _config("bf16", "cpu", "cpu", None)
+    for i, (save, load) in enumerate([(nvme, nvme), (nvme, cpu), (cpu, nvme)]):
+        for a, b in run_world(_resume, 2, save, load, str(tmp_path / f"ckpt{i}")):
+            _exact(a, b, ("resume", i))
+
+
+# ---- zero.Init(remote_device="nvme") ---------------------------------------------------------------
+def _init_world(rank, world, path):
+    import zerokit
+    from zerokit.zero import INIT_DIR
+
+    cfg = _config("bf16", "nvme", "cpu", path)
+    plain = _train(rank, world, cfg)
+    with zerokit.zero.Init(config=cfg, remote_device="nvme") as init:
+        model = tiny_gpt()
+    on_disk = init.ledger.bytes(tier="nvme", kind="weights")
+    files = os.listdir(os.path.join(path, INIT_DIR, "zerokit-swap", f"rank{rank}"))
+    built = _train(rank, world, cfg, model=model)
+    return plain, built, on_disk, files
+
+
+def test_zero_init_remote_nvme_equals_plain_build(tmp_path):
+    for plain, built, on_disk, files in run_world(_init_world, 2, str(tmp_path)):
+        assert on_disk > 0 and files, "construction shards were files"
+        _exact(built["weights"], plain["weights"], "zero.Init nvme")
+        assert built["losses"] == plain["losses"]
+    assert not os.listdir(tmp_path), "construction and swap files removed"
+
+
+# ---- faults --------------------------------------------------------------------------------------
+def _broken(rank, world, path, how):
+    import zerokit
+
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config=_config("fp32", "nvme", "cpu", path))
+    batches = global_batches(2, MICRO)
+    engine_train(engine, batches[:1], rank, world)
+    victim = engine.units[1].nvme_shard.file.path
+    if how == "delete":
+        os.unlink(victim)
+    else:
+        os.truncate(victim, 8)
+    try:
+        engine_train(engine, batches[1:], rank, world)
+    except Exception as e:  # noqa: BLE001 - the message is the test
+        return victim, repr(e)
+    return victim, "no error"
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate"])
+def test_broken_shard_file_names_it(tmp_path, how):
+    victim, msg = run_world(_broken, 1, str(tmp_path), how)[0]
+    assert os.path.basename(victim) in msg and ("short file" in msg or "No such file" in msg), msg
