@@ -73,6 +73,8 @@ def _train(rank, world, cfg, model=None):
            "stats": dict(engine.scheduler.stats),
            "files": sum(u.nvme_shard is not None for u in engine.units),
            "shard_bytes": sum(u.nvme_shard.file.nbytes for u in engine.units if u.nvme_shard),
+           "edited_bytes": sum(u.nvme_shard.file.nbytes for u in engine.units  # written by the edit
+                               if u.nvme_shard and u.module is engine.module.transformer.h[1]),
            "io": None if nvme is None else (nvme.stats.bytes_read, nvme.stats.bytes_written),
            "nvme_weights": engine.ledger.bytes(tier="nvme", kind="weights")}
     engine.destroy()
@@ -117,9 +119,10 @@ def test_nvme_params_equal_cpu_params(tmp_path, world):
             assert nvme["stats"]["nvme_read_ahead"] > 0, (what, nvme["stats"])
             assert nvme["stats"]["nvme_buffers_peak"] == 1, (what, nvme["stats"])
             if opt == "cpu":  # the tier's counters see the weights alone: built once, then one
-                # write per step; read at least once per step (gathers; the eval forwards too)
+                # write per step and the edited unit's; read at least once per gather
                 read, written = nvme["io"]
-                assert written == (STEPS + 1) * nvme["shard_bytes"], (what, nvme["io"])
+                assert written == (STEPS + 1) * nvme["shard_bytes"] + nvme["edited_bytes"], what
+                assert nvme["edited_bytes"] > 0, what
                 assert read >= 2 * STEPS * nvme["shard_bytes"], (what, nvme["io"])
     assert not os.listdir(tmp_path), "the swap directory is removed when the engine is destroyed"
 
