@@ -190,7 +190,8 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
         records += _host_part_records(placement, partition, compute_dtype, a, a + h, cuda,
                                       shard_tier)
     if k > h:
-        records += _nvme_part_records(placement, partition, compute_dtype, a + h, a + k, cuda)
+        records += _nvme_part_records(placement, partition, compute_dtype, a + h, a + k, cuda,
+                                      shard_tier)
     return UnitLayout(numel, padded, shard_numel, (a, b), parts, tuple(records))
 
 
@@ -218,7 +219,8 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
 
 
 def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
-                       compute_dtype: torch.dtype, lo: int, hi: int, cuda: bool) -> list[BufferRecord]:
+                       compute_dtype: torch.dtype, lo: int, hi: int, cuda: bool,
+                       shard_tier: str) -> list[BufferRecord]:
     """ZeRO-Infinity's part: the fp32 master and gradient in files (the optimizer state joins at
     bind), as DeepSpeed swaps them; the new compute-dtype weights in host memory
     (engine/nvme_executor.py). Gradients reach their file through small host buffers
@@ -227,7 +229,7 @@ def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     pin = placement.pin_memory and cuda and torch.cuda.is_available()
     # offload_param without the delay: the stream writes the new weights into the host shard
     # itself, as the host part does (no second 16-bit copy of the part in RAM).
-    in_place = placement.params_on_host and not placement.delayed and partition.shard_weights
+    in_place = shard_tier == "host" and not placement.delayed and partition.shard_weights
     # With the delayed update the stream reads one gradient file while backward writes the other.
     grads = [BufferRecord(f"nvme_grad{i}", "grads", "nvme", f32, lo, hi)
              for i in range(2 if placement.delayed else 1)]
