@@ -104,3 +104,26 @@ def engine_train(engine, batches, rank: int, world: int, gas: int = 1,
             torch.distributed.all_reduce(t)
         losses.append(t.item() / world)
     return losses
+
+
+def resume_train(rank: int, world: int, save_cfg: dict, load_cfg: dict, ckpt: str,
+                 async_save: bool = False) -> tuple[dict, dict]:
+    """A checkpoint round trip (run with run_world): train 2 steps with save_cfg, save, train 1
+    more: weights A. A fresh engine (other seed) with load_cfg loads the checkpoint and trains
+    the same step: weights B. A == B is an exact resume; the configs may place state anywhere."""
+    import zerokit
+
+    batches = global_batches(3, save_cfg["train_micro_batch_size_per_gpu"] * world)
+    cfg = dict(save_cfg, checkpoint={"async_save": async_save})
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    engine_train(engine, batches[:2], rank, world)
+    engine.save_checkpoint(ckpt, tag="t")
+    engine_train(engine, batches[2:], rank, world)
+    a = engine.consolidated_fp32_state_dict()
+    engine.destroy()
+    engine, *_ = zerokit.initialize(model=tiny_gpt(seed=7), config=load_cfg)
+    engine.load_checkpoint(ckpt, tag="t")
+    engine_train(engine, batches[2:], rank, world)
+    b = engine.consolidated_fp32_state_dict()
+    engine.destroy()
+    return a, b

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import run_world
-from reference import engine_train, global_batches, tiny_gpt
+from reference import engine_train, global_batches, resume_train, tiny_gpt
 
 STEPS, MICRO = 3, 2
 
@@ -194,34 +194,13 @@ def test_too_small_path_and_impossible_budget_refused(tmp_path, monkeypatch):
 
 
 # ---- checkpoints: NVMe-resident state streamed file to file ([Note: nvme parts in checkpoints]) ----
-def _resume(rank, world, save_cfg, load_cfg, ckpt, async_save=False):
-    """Train 2 steps with save_cfg, save, train 1 more: weights A. A fresh engine with load_cfg
-    loads the checkpoint and trains the same step: weights B."""
-    import zerokit
-
-    batches = global_batches(3, MICRO * world)
-    cfg = dict(save_cfg, checkpoint={"async_save": async_save})
-    engine, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
-    engine_train(engine, batches[:2], rank, world)
-    engine.save_checkpoint(ckpt, tag="t")
-    engine_train(engine, batches[2:], rank, world)
-    a = engine.consolidated_fp32_state_dict()
-    engine.destroy()
-    engine, *_ = zerokit.initialize(model=tiny_gpt(seed=7), config=load_cfg)
-    engine.load_checkpoint(ckpt, tag="t")
-    engine_train(engine, batches[2:], rank, world)
-    b = engine.consolidated_fp32_state_dict()
-    engine.destroy()
-    return a, b
-
-
 @pytest.mark.parametrize("stage,dtype,world", [(2, "bf16", 2), (3, "fp32", 1), (1, "fp32", 2)])
 def test_nvme_checkpoint_resume_is_exact(tmp_path, stage, dtype, world):
     nvme = _config(stage, dtype, "AdamW", "nvme", str(tmp_path / "swap"))
     (tmp_path / "swap").mkdir()
     cpu = _config(stage, dtype, "AdamW", "cpu", None)
     for i, (save, load) in enumerate([(nvme, nvme), (nvme, cpu), (cpu, nvme)]):
-        for a, b in run_world(_resume, world, save, load, str(tmp_path / f"ckpt{i}"),
+        for a, b in run_world(resume_train, world, save, load, str(tmp_path / f"ckpt{i}"),
                               async_save=i == 0):
             _exact(a, b)
 

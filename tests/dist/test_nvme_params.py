@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from harness import run_world
-from reference import engine_train, global_batches, rank_micro_batch, reference_train, tiny_gpt
+from reference import engine_train, global_batches, rank_micro_batch, reference_train, resume_train, tiny_gpt
 from test_offload import _close
 
 STEPS, MICRO, LR = 3, 2, 1e-3
@@ -170,32 +170,12 @@ def test_max_in_cpu_splits_shards_and_plan_lists_them(tmp_path):
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
-def _resume(rank, world, save_cfg, load_cfg, ckpt):
-    """2 steps with save_cfg, save, 1 more: weights A; a fresh engine with load_cfg loads and
-    trains the same step: weights B."""
-    import zerokit
-
-    batches = global_batches(3, MICRO * world)
-    engine, *_ = zerokit.initialize(model=tiny_gpt(), config=save_cfg)
-    engine_train(engine, batches[:2], rank, world)
-    engine.save_checkpoint(ckpt, tag="t")
-    engine_train(engine, batches[2:], rank, world)
-    a = engine.consolidated_fp32_state_dict()
-    engine.destroy()
-    engine, *_ = zerokit.initialize(model=tiny_gpt(seed=7), config=load_cfg)
-    engine.load_checkpoint(ckpt, tag="t")
-    engine_train(engine, batches[2:], rank, world)
-    b = engine.consolidated_fp32_state_dict()
-    engine.destroy()
-    return a, b
-
-
 def test_checkpoint_resume_and_placement_moves(tmp_path):
     (tmp_path / "swap").mkdir()
     nvme = _config("bf16", "nvme", "nvme", str(tmp_path / "swap"))
     cpu = _config("bf16", "cpu", "cpu", None)
     for i, (save, load) in enumerate([(nvme, nvme), (nvme, cpu), (cpu, nvme)]):
-        for a, b in run_world(_resume, 2, save, load, str(tmp_path / f"ckpt{i}")):
+        for a, b in run_world(resume_train, 2, save, load, str(tmp_path / f"ckpt{i}")):
             _exact(a, b, ("resume", i))
 
 
