@@ -84,6 +84,15 @@ class Handle:
     describe: Callable[[BaseException], CollectiveError]
     done: bool = False
 
+    @classmethod
+    def joined(cls, handles: list["Handle"], after: Callable[[], None]) -> "Handle":
+        """One handle for several collectives, with a completion step after all of them."""
+        def finish() -> None:
+            for h in handles:
+                h.wait()
+            after()
+        return cls(None, finish, handles[0].describe)
+
     def wait(self) -> None:
         if self.done:
             return

@@ -332,7 +332,7 @@ class Unit:
                 handles.append(comm.all_reduce_(part, self._where(lo, step), average=True, async_op=True,
                                                 unit=self.index, post_scale=post))
             deliver = (lambda: None) if in_master else (lambda: self._deliver(full, 0, self.padded_numel))
-            return _join(handles, lambda: (deliver(), release()))
+            return Handle.joined(handles, lambda: (deliver(), release()))
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         chunk = max(ALIGN, -(-self.bucket_numel // (world * ALIGN)) * ALIGN)
         rows = full.view(world, self.shard_numel)
@@ -345,13 +345,13 @@ class Unit:
                                          post_scale=post)
             if self._streams_buckets:  # a part off the device: each bucket leaves once reduced
                 start = self.opt_range[0]
-                handle = _join([handle], lambda lo=lo, hi=hi:
+                handle = Handle.joined([handle], lambda lo=lo, hi=hi:
                                self._deliver(out[lo:hi], start + lo, start + hi))
             handles.append(handle)
         if self._streams_buckets:
-            return _join(handles, release)
+            return Handle.joined(handles, release)
         start = self.opt_range[0]
-        return _join(handles, lambda: (self._deliver(out, start, start + self.shard_numel), release()))
+        return Handle.joined(handles, lambda: (self._deliver(out, start, start + self.shard_numel), release()))
 
     @property
     def _streams_buckets(self) -> bool:
@@ -588,14 +588,3 @@ class Unit:
     def __repr__(self) -> str:
         return (f"Unit({self.name!r}, params={len(self.slots)}, numel={self.numel}, "
                 f"padded={self.padded_numel}, trainable={self.trainable}, group={self.group_index})")
-
-
-def _join(handles: list[Handle], after) -> Handle:
-    """One handle for several collectives, with a completion step after all of them."""
-    describe = handles[0].describe
-
-    def finish() -> None:
-        for h in handles:
-            h.wait()
-        after()
-    return Handle(None, finish, describe)
