@@ -11,8 +11,10 @@ Per step, `Engine.step` calls on every executor, host executors first so that th
                       ZeRO-Offload's one-step delayed update)
     after_skip()      an overflowing step launched nothing: still publish what before_step wrote
 `DeviceExecutor`: torch's optimizer over the device parts. `HostExecutor`: the native kernel over
-the host parts, in a worker thread. The streaming NVMe executor (read i+1, step i, write i-1) is the
-third: engine/nvme_executor.py. Each has an `ExecutorState` ([Note: state machines]).
+the host parts, in a worker thread. The streaming NVMe executor (read i+1, step i, write i-1;
+engine/nvme_executor.py) is a HostExecutor whose `_run` streams the nvme parts from their files,
+so the worker, the delayed update and its write-back are one mechanism for both. Each has an
+`ExecutorState` ([Note: state machines]).
 """
 from __future__ import annotations
 
