@@ -99,10 +99,11 @@ def _nvme_lines(engine: "Engine", total: int) -> list[str]:
     nvme = sum(u.layout.nvme_numel for u in engine.units)
     if not nvme:
         return []
-    on_disk = sum(engine.ledger.bytes(tier="nvme", kind=k) for k in ("master", "optimizer_state"))
+    grads = engine.ledger.bytes(tier="nvme", kind="grads")  # none with step_in_backward
+    on_disk = grads + sum(engine.ledger.bytes(tier="nvme", kind=k) for k in ("master", "optimizer_state"))
     return [f"    {nvme:,} of {total:,} optimizer elements on NVMe on rank {engine.comm.rank}: "
-            f"{_mib(on_disk)} in files (master, gradient, optimizer state); expected NVMe traffic per step "
-            f"{_mib(2 * on_disk)} (each read once and written once)"]
+            f"{_mib(on_disk)} in files (master, {'gradient, ' if grads else ''}optimizer state); "
+            f"expected NVMe traffic per step {_mib(2 * on_disk)} (each read once and written once)"]
 
 
 def _offload_param_lines(engine: "Engine", placement) -> list[str]:

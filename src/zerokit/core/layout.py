@@ -27,7 +27,7 @@ host part's length, `r` = this rank's shard):
     nvme_*       with offload_optimizer device 'nvme' the offloaded range [a, a + k) splits:
                  [a, a + h) is the host part above (h: the max_in_cpu budget), [a + h, a + k)
                  the nvme part: nvme_master and nvme_grad0 (and nvme_grad1 with the delayed
-                 update) fp32 on the nvme tier, nvme_out
+                 update; none with step_in_backward) fp32 on the nvme tier, nvme_out
                  compute dtype on the host (offload_param, no delay: the host shard)
 The host part's optimizer state is allocated when the optimizer is known (HostPart.init_state),
 through the same host tier, so the ledger counts it as allocated too.
@@ -230,9 +230,10 @@ def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     # offload_param without the delay: the stream writes the new weights into the host shard
     # itself, as the host part does (no second 16-bit copy of the part in RAM).
     in_place = shard_tier == "host" and not placement.delayed and partition.shard_weights
-    # With the delayed update the stream reads one gradient file while backward writes the other.
+    # With the delayed update the stream reads one gradient file while backward writes the other;
+    # stepped in backward, the gradient is held in host memory until stepped (no file).
     grads = [BufferRecord(f"nvme_grad{i}", "grads", "nvme", f32, lo, hi)
-             for i in range(2 if placement.delayed else 1)]
+             for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1)]
     return [BufferRecord("nvme_master", "master", "nvme", f32, lo, hi), *grads,
             # the step's new weights, written back to the weights' home after the stream
             BufferRecord("nvme_out", "buffers", "host", compute_dtype, lo, hi, pinned=pin,

@@ -115,6 +115,61 @@ class FileGradient:
         self._exact = True
 
 
+class HeldGradient:
+    """A part's fp32 gradient held in host memory from its reduction until the stream has
+    stepped it (offload_optimizer.step_in_backward): no gradient file, no gradient I/O.
+
+    Zero-filled when the first piece lands; each element lands once per step (accumulation over
+    micro-steps is refused with step_in_backward), so the sum of squares is taken per piece, as
+    FileGradient does. `release` frees the memory once stepped; the norm stays until `clear`.
+    """
+
+    def __init__(self, numel: int):
+        self.numel = numel
+        self.buffer: torch.Tensor | None = None
+        self._sq = 0.0
+
+    @property
+    def range(self) -> "HeldGradient":
+        """What `NvmePart.grad` hands the executor: the gradient itself (no file range)."""
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.numel * 4
+
+    def _landing(self) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = host_buffer(self.numel)
+            self.buffer.zero_()
+        return self.buffer
+
+    def add(self, piece: torch.Tensor, offset: int) -> None:
+        dest = self._landing()[offset:offset + piece.numel()]
+        dest.add_(piece.to("cpu"))
+        self._sq += host_kernels.grad_sq_norm(dest)[0]
+
+    def values(self, lo: int, n: int) -> torch.Tensor:
+        """Elements [lo, lo + n) for the kernel (zeros where nothing landed)."""
+        return self._landing()[lo:lo + n]
+
+    def settle(self) -> None:
+        """Nothing in flight: pieces are added on arrival."""
+
+    def sq_norm(self) -> float:
+        return self._sq
+
+    def zero_unwritten(self) -> None:
+        """Zero-filled when allocated."""
+
+    def release(self) -> None:
+        self.buffer = None
+
+    def clear(self) -> None:
+        self.buffer = None
+        self._sq = 0.0
+
+
 def _gaps(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The sub-ranges of [lo, hi) outside every range in `covered`."""
     out, at = [], lo
@@ -141,8 +196,9 @@ class NvmePart(HostPart):
         self.nvme = nvme
         self.master: FileRange
         # one gradient file, two with the delayed update (the stream reads one, backward writes
-        # the other; HostPart.swap_grads flips `current`)
-        self.gradients = [FileGradient(nvme, g) for g in self.grads]
+        # the other; HostPart.swap_grads flips `current`); none with step_in_backward: held
+        self.gradients = ([FileGradient(nvme, g) for g in self.grads] if self.grads
+                          else [HeldGradient(self.numel)])
 
     # ---- gradients in: a file (see [Note: gradients on NVMe]) -----------------------------------
     @property
@@ -150,7 +206,12 @@ class NvmePart(HostPart):
         """The gradient the current backward writes and the next step reads."""
         return self.gradients[self.current]
 
-    def gradient_in_flight(self) -> FileGradient:
+    @property
+    def grad(self):
+        """What the step reads: the gradient's file range, or the held gradient itself."""
+        return self.gradient.range
+
+    def gradient_in_flight(self) -> "FileGradient | HeldGradient":
         """The gradient the running (or launching) stream reads."""
         return next(g for g in self.gradients if g.range is self.grad_in_flight)
 

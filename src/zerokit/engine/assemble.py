@@ -23,7 +23,7 @@ from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
 from zerokit.engine.executors import DeviceExecutor, HostExecutor
 from zerokit.engine import host_budget, nvme_plan
-from zerokit.engine.nvme_executor import NvmeExecutor, StreamSettings, buffer_set_bytes
+from zerokit.engine.nvme_executor import HELD_PARTS, NvmeExecutor, StreamSettings, buffer_set_bytes
 from zerokit.engine.optimizer import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.schedulers import build_scheduler
@@ -51,6 +51,11 @@ def initialize(model: nn.Module, optimizer: Any = None,
     comm = Comm.from_environment(cfg.comm_timeout_s, model_device_of(model))
     configure_logging(comm.rank)
     batch = cfg.resolve_batch(comm.world_size)
+    if cfg.zero_optimization.offload_optimizer.step_in_backward and batch[2] != 1:
+        raise NotImplementedError(
+            f"zero_optimization.offload_optimizer.step_in_backward with gradient_accumulation_steps "
+            f"{batch[2]} is not implemented: the micro-steps' gradients would have to be kept whole "
+            f"until the boundary's backward; allowed: 1")
     policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
     placement = PlacementPolicy.from_config(cfg.zero_optimization)
     recipe = recipe_from(model, optimizer, model_parameters, cfg.optimizer)
@@ -166,6 +171,8 @@ def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind
                                      zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path
                                      else 0))
         need.buffers += buffer_set_bytes(_stream_settings(cfg), kind, largest)
+        if placement.step_in_backward:  # gradients held until stepped, and one landing
+            need.buffers += (HELD_PARTS + 1) * 4 * largest
         paths.append(zero.offload_optimizer.nvme_path)
     if shards:
         if paths and os.path.realpath(paths[0]) != os.path.realpath(zero.offload_param.nvme_path):

@@ -79,7 +79,10 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.training_state = TrainingState.IDLE  # see [Note: state machines] (core/states.py)
         self._recomputing: nn.Module | None = None  # the outermost module recomputing in backward
         self._reduce_now = False
-        self._pending: deque[tuple[Handle, int]] = deque()
+        # reductions in flight: (handle, bytes, the unit to offer the host executors once it
+        # lands: with offload_optimizer.step_in_backward, a unit whose backward is done)
+        self._pending: deque[tuple[Handle, int, Unit | None]] = deque()
+        self._steps_in_backward = config.zero_optimization.offload_optimizer.step_in_backward
         self._pending_bytes = 0
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
         # Gradients of at most two buckets in flight: enough to overlap, bounded in memory.
@@ -121,6 +124,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """The host optimizer executor, where part of the optimizer steps on the host (else None):
         for reports, checkpoints and tests; the step itself loops over `executors`."""
         return next((e for e in self.executors if type(e) is HostExecutor), None)
+
+    @property
+    def stepped_in_backward(self) -> bool:
+        """offload_optimizer.step_in_backward has stepped some part since the last step."""
+        return any(e.stepped_in_backward for e in self.kernel_executors)
 
     @property
     def kernel_executors(self) -> list:
@@ -213,26 +221,31 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def _on_grad(self, unit: Unit, index: int, param: nn.Parameter) -> None:
         if unit.on_grad_ready(param, index, self._reduce_now):
-            self._launch_reduce(unit)
+            self._launch_reduce(unit, done=True)
             self.scheduler.after_backward(unit)
 
-    def _launch_reduce(self, unit: Unit) -> None:
+    def _launch_reduce(self, unit: Unit, done: bool = False) -> None:
         """Ranks whose backward took different paths would reduce different units here: each
         reduction carries its unit's index and fails naming both units (see [Note: rank
-        agreement] in core/agreement.py), at the latest when the step settles the checks."""
-        self._track(unit.launch_reduce(), unit)
+        agreement] in core/agreement.py), at the latest when the step settles the checks.
+        done: every parameter of the unit got its gradient in this backward (the hook's launch;
+        not the end-of-backward one for units some parameter of which got none)."""
+        self._track(unit.launch_reduce(), unit, offer=done and self._steps_in_backward)
 
-    def _track(self, handle: Handle, unit: Unit) -> None:
+    def _track(self, handle: Handle, unit: Unit, offer: bool = False) -> None:
         nbytes = unit.padded_numel * 4
-        self._pending.append((handle, nbytes))
+        self._pending.append((handle, nbytes, unit if offer else None))
         self._pending_bytes += nbytes
         self._drain(self._max_pending_bytes)
 
     def _drain(self, limit: int) -> None:
         while self._pending and self._pending_bytes > limit:
-            handle, nbytes = self._pending.popleft()
+            handle, nbytes, landed = self._pending.popleft()
             handle.wait()
             self._pending_bytes -= nbytes
+            if landed is not None:  # step_in_backward: its parts step while backward goes on
+                for executor in self.kernel_executors:
+                    executor.offer(landed)
 
     # ---- step ---------------------------------------------------------------------------------
     def step(self) -> None:
@@ -340,6 +353,12 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             note = (f"zerokit: engine.step() at global step {self.global_steps} failed in a "
                     f"collective; the ranks may no longer agree, so this engine cannot train on: "
                     f"restart the job (from the last checkpoint).")
+            self._fail(note, error)
+        elif self.stepped_in_backward:  # updates applied in backward cannot be taken back
+            note = (f"zerokit: engine.step() at global step {self.global_steps} failed after "
+                    f"offload_optimizer.step_in_backward had applied the offloaded update of some "
+                    f"units during backward, so the weights are neither the old nor the new ones: "
+                    f"this engine cannot train on; load the last checkpoint.")
             self._fail(note, error)
         elif _is_nvme_failure(error):  # the stream stopped between sub-groups' writes
             note = (f"zerokit: engine.step() at global step {self.global_steps} failed on the "

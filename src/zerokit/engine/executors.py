@@ -9,6 +9,10 @@ Per step, `Engine.step` calls on every executor, host executors first so that th
     finish()          the update's weights are ready to publish, unless it is delayed (the host
                       executor's worker then runs into the next step's forward and backward:
                       ZeRO-Offload's one-step delayed update)
+With offload_optimizer.step_in_backward the kernel executors start earlier: backward `offer`s
+each unit once its gradient is reduced, and the worker steps its parts while backward goes on
+(a `PartFeed` open until before_step); launch then steps only the parts not offered (units this
+rank's backward did not reach but another rank's did).
     after_skip()      an overflowing step launched nothing: still publish what before_step wrote
 `DeviceExecutor`: torch's optimizer over the device parts. `HostExecutor`: the native kernel over
 the host parts, in a worker thread. The streaming NVMe executor (read i+1, step i, write i-1;
@@ -129,6 +133,48 @@ class DeviceExecutor:
         """Nothing to end."""
 
 
+class PartFeed:
+    """The parts a worker steps, in order: all given at launch, or (step_in_backward) put one
+    unit at a time while the worker runs, until closed. The worker reports each part done."""
+
+    def __init__(self, parts: list | None = None, open_: bool = False):
+        self._parts = list(parts or [])
+        self._open = open_
+        self._done = 0  # parts the worker has finished (in order)
+        self._cv = threading.Condition()
+
+    def put(self, part) -> None:
+        with self._cv:
+            self._parts.append(part)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """No more parts: the worker ends after the last one (also when it stopped on an error)."""
+        with self._cv:
+            self._open = False
+            self._cv.notify_all()
+
+    def get(self, i: int, wait: bool = True):
+        """Part i; None when there is none (closed, or not yet and `wait` is False)."""
+        with self._cv:
+            while wait and i >= len(self._parts) and self._open:
+                self._cv.wait()
+            return self._parts[i] if i < len(self._parts) else None
+
+    def finished(self) -> None:
+        with self._cv:
+            self._done += 1
+            self._cv.notify_all()
+
+    def wait_while(self, too_much: Callable[[list], bool]) -> None:
+        """Block the caller while `too_much(parts not finished)` holds and the worker can still
+        finish one of them (backward waits for the stream: bounded memory)."""
+        with self._cv:
+            while (self._open and len(self._parts) - self._done > 1
+                   and too_much(self._parts[self._done:])):
+                self._cv.wait()
+
+
 # Executors whose worker may still run when the interpreter exits (a delayed update in flight).
 _LIVE: "weakref.WeakSet[HostExecutor]" = weakref.WeakSet()
 
@@ -138,8 +184,9 @@ def _join_in_flight() -> None:
     """Interpreter shutdown ends daemon threads by unwinding them from inside the native kernel,
     which aborts the process ('terminate called without an active exception'): join them first."""
     for stepper in list(_LIVE):
-        worker = stepper._worker
+        worker, feed = stepper._worker, stepper._feed
         if worker is not None:
+            feed.close()
             worker.join()
 
 
@@ -166,6 +213,8 @@ class HostExecutor:
         self._written: list[HostPart] = []  # weights written back, not yet published
         self._copied: Any = None  # CUDA event: host -> device weight copies done
         self.optimizer: torch.optim.Optimizer | None = None
+        self._feed: PartFeed | None = None  # the running worker's parts
+        self._in_backward: set[int] = set()  # ids of parts stepped in this step's backward
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Follow `optimizer`'s param groups; fails here, naming it, if it has no host kernel."""
@@ -187,39 +236,80 @@ class HostExecutor:
         if self.state is ExecutorState.WRITE_BACK_PENDING:
             self._write_back()
 
+    @property
+    def stepped_in_backward(self) -> bool:
+        return bool(self._in_backward)
+
     def launch(self, coef: float, skip: set) -> None:
-        if self._copied is not None:  # the kernel is about to overwrite what is being copied
-            self._copied.synchronize()
-            self._copied = None
-        groups = [dict(g) for g in self.optimizer.param_groups]  # a snapshot: schedulers move on
-        todo = [s for s in self.shards if s.unit not in skip]
-        done = threading.Event()
-        for s in todo:
-            s.steps += 1
-            s.grad_in_flight = s.grad
-            s.busy = done
-
-        def run() -> None:
-            try:
-                self._run(todo, groups, coef)
-            except BaseException as e:  # re-raised on the training thread at the join
-                self._error = e
-            finally:
-                done.set()
-
-        self._stepped = todo
-        self._move(ExecutorState.RUNNING)
-        self._worker = threading.Thread(target=run, name=f"zerokit-{self.tier}-step", daemon=True)
-        self._worker.start()
+        if self._in_backward and coef != 1.0:  # the config refuses clipping and fp16 with it
+            raise RuntimeError(f"offload_optimizer.step_in_backward stepped with coefficient 1, "
+                               f"but the step's is {coef}")
+        todo = [s for s in self.shards if s.unit not in skip and id(s) not in self._in_backward]
+        if todo or not self._in_backward:  # (step_in_backward: usually all stepped already)
+            self._start(PartFeed(todo), coef, todo)
         if self.delaying:
             for s in todo:
                 s.swap_grads()
         self.launches += 1
 
-    def _run(self, todo: list[HostPart], groups: list[dict], coef: float) -> None:
+    def offer(self, unit) -> None:
+        """step_in_backward: `unit`'s gradient has landed; its parts step now, on the worker,
+        while backward goes on (started by the step's first offer, joined in before_step)."""
+        parts = [s for s in self.shards if s.unit is unit]
+        if not parts:
+            return
+        if self._feed is None:
+            self._start(PartFeed(open_=True), 1.0)
+        for s in parts:
+            if id(s) in self._in_backward:
+                raise RuntimeError(
+                    f"offload_optimizer.step_in_backward: unit '{unit.name}' finished a second "
+                    f"backward before engine.step(); each backward's update is applied as it "
+                    f"runs, so call engine.step() after every backward (or turn the key off)")
+            s.settle()
+            self._in_backward.add(id(s))
+            self._enter(s)
+            self._feed.put(s)
+
+    def _start(self, feed: PartFeed, coef: float, given: list | None = None) -> None:
+        """A worker stepping `feed`'s parts (`given` those it holds already); RUNNING until
+        joined."""
+        if self._copied is not None:  # the kernel is about to overwrite what is being copied
+            self._copied.synchronize()
+            self._copied = None
+        groups = [dict(g) for g in self.optimizer.param_groups]  # a snapshot: schedulers move on
+        self._done = threading.Event()
+        for s in given or []:
+            self._enter(s)
+
+        def run() -> None:
+            try:
+                self._run(feed, groups, coef)
+            except BaseException as e:  # re-raised on the training thread at the join
+                self._error = e
+            finally:
+                feed.close()  # an offer waiting for room returns
+                self._done.set()
+
+        self._feed = feed
+        self._move(ExecutorState.RUNNING)
+        self._worker = threading.Thread(target=run, name=f"zerokit-{self.tier}-step", daemon=True)
+        self._worker.start()
+
+    def _enter(self, s: HostPart) -> None:
+        """`s` is stepped by the running worker: counted, its gradient taken, marked busy."""
+        s.steps += 1
+        s.grad_in_flight = s.grad
+        s.busy = self._done
+        self._stepped.append(s)
+
+    def _run(self, feed: PartFeed, groups: list[dict], coef: float) -> None:
         """The update itself, on the worker thread: the kernel over each part in memory."""
-        for s in todo:
+        i = 0
+        while (s := feed.get(i)) is not None:
             self._step_fn(s, groups[s.group], coef)
+            feed.finished()
+            i += 1
 
     def finish(self) -> None:
         """Join the host update and write its weights back, unless it is delayed to the next step."""
@@ -228,17 +318,20 @@ class HostExecutor:
             self._join()
             self._write_back()
         self._written = []  # the engine publishes every trainable unit next
+        self._in_backward = set()
 
     def after_skip(self) -> None:
         """A skipped (overflow) step still publishes the delayed weights that before_step wrote."""
         for s in self._written:
             s.unit.publish_weights()
         self._written = []
+        self._in_backward = set()
 
     def _join(self) -> None:
         """RUNNING -> WRITE_BACK_PENDING; a failed update is forgotten (IDLE) and re-raised."""
+        self._feed.close()  # step_in_backward: backward offers nothing more
         self._worker.join()
-        self._worker = None
+        self._worker, self._feed = None, None
         if self._error is not None:
             error, self._error = self._error, None
             self._move(ExecutorState.IDLE)
@@ -273,7 +366,7 @@ class HostExecutor:
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
-        self._stepped, self._written = [], []
+        self._stepped, self._written, self._in_backward = [], [], set()
 
     def restore_pending(self) -> None:
         """After a load of a checkpoint saved with an update pending: that update is done (its
@@ -285,12 +378,13 @@ class HostExecutor:
         """The engine is released (see [Note: engine lifetime]): let an update in flight finish,
         so its thread ends, and forget it; nothing is written back, the weights stay as they are."""
         if self._worker is not None:
+            self._feed.close()
             self._worker.join()
-            self._worker, self._error = None, None
+            self._worker, self._error, self._feed = None, None, None
         if self.state is not ExecutorState.IDLE:
             self._move(ExecutorState.IDLE)
         if self._copied is not None:  # host -> device weight copies still read host buffers
             self._copied.synchronize()
             self._copied = None
-        self._stepped, self._written = [], []
+        self._stepped, self._written, self._in_backward = [], [], set()
         _LIVE.discard(self)

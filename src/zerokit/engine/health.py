@@ -127,8 +127,11 @@ def handle_nonfinite(engine: "Engine", trainable: list["Unit"], scalars: StepSca
     engine then abandons the step, see Engine._abandon_step), else the caller skips it."""
     unit = (first_nonfinite_unit(trainable, engine.comm, engine.policy.shard_optimizer)
             if not math.isfinite(scalars.grad_norm) else None)
-    stop = engine.config.nonfinite == "stop"
+    applied = engine.stepped_in_backward  # offload_optimizer.step_in_backward: too late to skip
+    stop = engine.config.nonfinite == "stop" or applied
     text = nonfinite_report(engine.global_steps, scalars, unit,
+                            "stopping: offload_optimizer.step_in_backward already applied the "
+                            "offloaded update during backward, it cannot be skipped" if applied else
                             "stopping" if stop else f"step skipped ({engine.skipped_steps + 1} "
                                                     f"skipped so far)")
     if stop:

@@ -29,15 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 
 import torch
 
-from zerokit.core.nvme_part import NvmePart, host_buffer
+from zerokit.core.nvme_part import HeldGradient, NvmePart, host_buffer
 from zerokit.core.parts import STATE_NAMES
-from zerokit.engine.executors import HostExecutor
+from zerokit.engine.executors import HostExecutor, PartFeed
 from zerokit.io.aio import wait_all
 from zerokit.policy import PlacementPolicy
 from zerokit.tiers.nvme import NvmeHandle, NvmeTier
+
+
+# step_in_backward: parts whose gradients may wait in host memory for the stream (see held_limit)
+HELD_PARTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +109,10 @@ class NvmeExecutor(HostExecutor):
         self.last_io: dict[str, float] = {}
         self.steps_io: list[dict[str, float]] = []  # every step's, for the benchmark
         nvme.stats.reset()  # the first step's count starts here, after the files were filled
+        if placement.step_in_backward:  # gradients held in host memory until stepped
+            me = weakref.ref(self)
+            ledger.track_external("nvme_executor/held_gradients", "host", "grads",
+                                  lambda: me().held_bytes() if me() is not None else 0)
 
     @property
     def parts(self) -> list[NvmePart]:
@@ -113,13 +122,26 @@ class NvmeExecutor(HostExecutor):
         """Host bytes of the buffer sets (what the host budget counts for the stream)."""
         return buffer_set_bytes(self.settings, self.family, max((p.numel for p in self.parts), default=0))
 
-    def _run(self, todo: list[NvmePart], groups: list[dict], coef: float) -> None:
+    def held_bytes(self) -> int:
+        """Host bytes of the gradients held until stepped (step_in_backward)."""
+        return sum(p.gradient.nbytes for p in self.parts if isinstance(p.gradient, HeldGradient))
+
+    def held_limit(self) -> int:
+        """step_in_backward: backward waits for the stream while the gradients offered and not
+        yet stepped exceed HELD_PARTS of the largest part (one stepping, one waiting)."""
+        return HELD_PARTS * 4 * max((p.numel for p in self.parts), default=0)
+
+    def offer(self, unit) -> None:
+        super().offer(unit)
+        if self._feed is not None:
+            limit = self.held_limit()
+            self._feed.wait_while(lambda waiting: sum(p.numel * 4 for p in waiting) > limit)
+
+    def _run(self, feed: PartFeed, groups: list[dict], coef: float) -> None:
         """On the worker thread: the stream, and its I/O report."""
         start = time.perf_counter()
         try:
-            for s in todo:
-                s.gradient_in_flight().zero_unwritten()
-            self._stream(todo, groups, coef)
+            self._stream(feed, groups, coef)
         except BaseException:
             self._drain()
             raise
@@ -145,12 +167,26 @@ class NvmeExecutor(HostExecutor):
                                    sum(b.nbytes for b in self._sets))
         return self._sets
 
-    def _stream(self, todo: list[NvmePart], groups: list[dict], coef: float) -> None:
+    def _stream(self, feed: PartFeed, groups: list[dict], coef: float) -> None:
         size = self.settings.sub_group_size
-        subs = [(s, lo, min(size, s.numel - lo)) for s in todo for lo in range(0, s.numel, size)]
-        if not subs:
+        subs: list[tuple[NvmePart, int, int]] = []  # the feed's parts cut into sub-groups so far
+        taken = 0  # parts of the feed cut so far
+
+        def sub(j: int, wait: bool):
+            """Sub-group j, cutting the feed's next parts as needed; None if there is none (yet)."""
+            nonlocal taken
+            while j >= len(subs):
+                s = feed.get(taken, wait)
+                if s is None:
+                    return None
+                taken += 1
+                s.gradient_in_flight().zero_unwritten()
+                subs.extend((s, lo, min(size, s.numel - lo)) for lo in range(0, s.numel, size))
+            return subs[j]
+
+        if sub(0, wait=True) is None:
             return
-        sets = self._buffer_sets(max(n for _, _, n in subs))
+        sets = self._buffer_sets(min(size, max(p.numel for p in self.parts)))
         count, ahead = len(sets), self.settings.read_ahead
         read_next = 0
 
@@ -158,14 +194,19 @@ class NvmeExecutor(HostExecutor):
             s, lo, n = subs[j]
             b = sets[j % count]
             b.wait_writes()  # the set's previous sub-group is on disk before we overwrite it
-            b.reads = [self.nvme.read(s.master.narrow(lo, n), b.master[:n]),
-                       self.nvme.read(s.grad_in_flight.narrow(lo, n), b.grad[:n])]
+            b.reads = [self.nvme.read(s.master.narrow(lo, n), b.master[:n])]
+            if not isinstance(s.grad_in_flight, HeldGradient):  # held: the kernel reads it there
+                b.reads.append(self.nvme.read(s.grad_in_flight.narrow(lo, n), b.grad[:n]))
             b.reads += [self.nvme.read(s.state[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
 
-        for i, (s, lo, n) in enumerate(subs):
-            while read_next <= min(i + ahead, len(subs) - 1):
+        i = 0
+        while sub(i, wait=True) is not None:
+            # sub-group i itself, then those already known up to `ahead` beyond (never waiting
+            # for backward to offer more: the next loop reads them)
+            while read_next <= i + ahead and sub(read_next, wait=read_next == i) is not None:
                 submit_read(read_next)
                 read_next += 1
+            s, lo, n = subs[i]
             b = sets[i % count]
             for h in b.reads:
                 h.wait()
@@ -175,6 +216,11 @@ class NvmeExecutor(HostExecutor):
             b.writes += [self.nvme.write(s.state[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
             if not self.settings.pipeline_write:
                 b.wait_writes()
+            if lo + n == s.numel:  # the part's last sub-group: its held gradient is spent
+                if isinstance(s.grad_in_flight, HeldGradient):
+                    s.grad_in_flight.release()
+                feed.finished()
+            i += 1
         for b in sets:
             b.wait_writes()
 
@@ -182,7 +228,8 @@ class NvmeExecutor(HostExecutor):
                 coef: float) -> None:
         out = s.out16[lo:lo + n]
         sixteen = out.dtype != torch.float32
-        view = _View(b.master[:n], b.grad[:n],
+        held = s.grad_in_flight if isinstance(s.grad_in_flight, HeldGradient) else None
+        view = _View(b.master[:n], held.values(lo, n) if held is not None else b.grad[:n],
                      {k: v[:n] for k, v in b.state.items()}, out if sixteen else None, s.steps)
         self._step_fn(view, group, coef)
         if not sixteen:  # fp32 compute: the new weights are the new master

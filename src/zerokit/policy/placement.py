@@ -44,6 +44,9 @@ class PlacementPolicy:
     param_buffer_count / param_buffer_size: with params_on_nvme, offload_param.buffer_count and
         buffer_size: shards read ahead of their gather, at most this many, each at most this many
         elements (larger shards are read when gathered).
+    step_in_backward: offload_optimizer.step_in_backward: the host and NVMe parts of a unit are
+        stepped as soon as backward has reduced its gradient (engine/executors.py); an nvme part's
+        gradient is then held in host memory until stepped, never written to a file.
     """
 
     ratio: float = 0.0
@@ -60,6 +63,7 @@ class PlacementPolicy:
     param_ram_numel: int = 0
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
+    step_in_backward: bool = False
 
     @classmethod
     def from_config(cls, zero_cfg) -> "PlacementPolicy":
@@ -73,12 +77,13 @@ class PlacementPolicy:
                                  "implemented; give a number in [0, 1]")
             return cls(float(off.ratio), off.pin_memory, off.delayed_update.enabled,
                        off.delayed_update.warmup_steps, nvme=True, ram_numel=off.max_in_cpu,
-                       **params)
+                       step_in_backward=off.step_in_backward, **params)
         if off.device != "cpu":
             return cls(**params)
         auto = off.ratio == "auto"
         return cls(1.0 if auto else float(off.ratio), off.pin_memory, off.delayed_update.enabled,
-                   off.delayed_update.warmup_steps, auto, **params)
+                   off.delayed_update.warmup_steps, auto, step_in_backward=off.step_in_backward,
+                   **params)
 
     @property
     def offloads(self) -> bool:
@@ -133,7 +138,8 @@ class PlacementPolicy:
                 f"{1 - self.ratio:.3g} on the device, stepped at the same time")
         if self.nvme:
             share = "all" if self.ratio >= 1.0 else f"{self.ratio:.3g}"
-            what = (f"ZeRO-Infinity: master + gradient + optimizer state of {share} of each "
+            grads = "" if self.step_in_backward else "gradient + "
+            what = (f"ZeRO-Infinity: master + {grads}optimizer state of {share} of each "
                     f"optimizer shard on NVMe, streamed in sub-groups "
                     f"through the host kernel; up to {self.ram_numel:,} elements per rank kept "
                     f"in host memory (offload_optimizer.max_in_cpu)")
@@ -143,4 +149,7 @@ class PlacementPolicy:
             stale = "gradients" if self.ratio >= 1.0 else "the host part's weights"
             what += (f"; delayed parameter update after {self.warmup_steps} steps "
                      f"({stale} one step stale)")
+        if self.step_in_backward:
+            what += ("; each unit's offloaded part stepped in backward, once its gradient is "
+                     "reduced (offload_optimizer.step_in_backward)")
         return "offload: " + what

@@ -71,9 +71,10 @@ class Ledger:
                 released = True
         return release
 
-    def track_external(self, name: str, tier: str, read_bytes: Callable[[], int]) -> None:
-        """A byte count kept elsewhere (the NVMe swapper), read when the ledger is read."""
-        self._external[f"{tier}:{name}"] = read_bytes
+    def track_external(self, name: str, tier: str, kind: str, read_bytes: Callable[[], int]) -> None:
+        """A byte count kept elsewhere (gradients an executor holds until stepped), read when the
+        ledger is read (not in the peak)."""
+        self._external[(tier, kind, name)] = read_bytes
 
     def record_io(self, tier: str, report: dict[str, float]) -> None:
         """A step's I/O on `tier` (the nvme executor's: bytes read / written, GB/s, wait)."""
@@ -87,8 +88,9 @@ class Ledger:
         table = self._peak if peak else self._current
         total = sum(v for (t, k), v in table.items()
                     if (tier is None or t == tier) and (kind is None or k == kind))
-        if tier in (None, "nvme") and kind in (None, "buffers") and not peak:
-            total += sum(f() for key, f in self._external.items() if key.startswith("nvme:"))
+        if not peak:
+            total += sum(f() for (t, k, _), f in self._external.items()
+                         if (tier is None or t == tier) and (kind is None or k == kind))
         return total
 
     def table(self, peak: bool = False) -> dict[str, dict[str, int]]:
