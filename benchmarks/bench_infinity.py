@@ -21,6 +21,10 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
   zk-inf-ds-dpu zk-inf-ds with the one-step delayed update (offload_optimizer.delayed_update):
                the step's NVMe stream overlaps the next forward and backward. Changes the math
                (weights one step stale), so it is a row of its own, never compared as equal.
+The budgeted rows (zk-inf-ds, zk-inf-half, zk-inf-8g) also set offload_optimizer.step_in_backward:
+each unit's optimizer part steps while backward goes on, its gradient held in host memory until
+then (the same update: the setup has no clipping, no fp16, no accumulation), so the NVMe stream
+overlaps backward and moves 12 bytes per element each way instead of 16.
 A host budget becomes zerokit's own keys (`budget_keys`): the 16-bit weights stay in host memory
 if they fit (offload_param cpu; else NVMe with offload_param.max_in_cpu of them in RAM), then
 offload_optimizer.max_in_cpu keeps as many optimizer elements (16 B each: master, gradient, two
@@ -111,9 +115,15 @@ def n_params(model: str) -> int:
     return layers * block + 2 * VOCAB * width + SEQ * width + 2 * width  # untied head
 
 
-def expected_disk_bytes(model: str) -> int:
-    """bf16 weights + fp32 master and two moments (+ DeepSpeed's fp32 gradient swap): 18 B/param."""
-    return 18 * n_params(model)
+def expected_disk_bytes(model: str, row: str) -> int:
+    """bf16 weights + fp32 master and two moments (+ the fp32 gradient files): 18 B/param; 14
+    for a row stepping in backward (no gradient files), at most."""
+    return (14 if _steps_in_backward(row) else 18) * n_params(model)
+
+
+def _steps_in_backward(row: str) -> bool:
+    """The budgeted zerokit rows step in backward (see the module docstring)."""
+    return ROWS[row][0] == "zerokit" and ROWS[row][1] not in (None, "weights") and not row.endswith("-dpu")
 
 
 # ===================================================================================== worker
@@ -170,16 +180,20 @@ def ds_config(swap: str, model: str) -> dict:
 
 
 def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = False,
-                delayed: bool = False) -> dict:
+                delayed: bool = False, step_in_backward: bool = False) -> dict:
     """zerokit's placement keys for a host budget (see the module docstring). With the delayed
     update a host element also keeps a second gradient and its own 16-bit output (22 B, not 16),
     and the NVMe elements' 16-bit output is a buffer of its own (2 B each)."""
     n = n_params(model)
-    per_host = 22 if delayed else 16
+    # host bytes per optimizer element: master, two moments and the gradient (two gradients and a
+    # 16-bit output with the delayed update; no gradient kept between steps with step_in_backward)
+    per_host = 22 if delayed else 12 if step_in_backward else 16
     if budget_gib is None:
         left = 2 * n if weights_in_ram else 0
     else:
         left = max(0, int((budget_gib - ALLOWANCE_GIB) * GiB))
+        if step_in_backward:  # gradients held until stepped: HELD_PARTS + 1 of the largest unit
+            left -= 3 * 4 * VOCAB * MODELS[model][1]
     if weights_in_ram or 2 * n <= left:
         param = {"device": "cpu", "pin_memory": False}
         left -= 2 * n
@@ -195,12 +209,14 @@ def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: b
               delayed: bool = False) -> dict:
     cfg = ds_config(swap, model)
     zero = cfg["zero_optimization"]
-    keys = budget_keys(model, budget_gib, weights_in_ram, delayed)
+    step_in_backward = budget_gib is not None and not delayed
+    keys = budget_keys(model, budget_gib, weights_in_ram, delayed, step_in_backward)
     zero["sub_group_size"] = ZK_SUB_GROUP
     zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
     zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True, **keys["offload_optimizer"])
     if delayed:  # ZeRO-Offload's one-step delayed update, after one normal step
         zero["offload_optimizer"]["delayed_update"] = {"enabled": True, "warmup_steps": 1}
+    zero["offload_optimizer"]["step_in_backward"] = step_in_backward
     if keys["offload_param"].get("device") == "cpu":
         zero["offload_param"] = keys["offload_param"]
     else:
@@ -240,6 +256,16 @@ def setup_deepspeed(args, rec):
     return engine
 
 
+def zk_wrap(name: str, module) -> bool:
+    """zerokit's units: each block (the default), and the embedding and the untied head each on
+    their own rather than in the root unit. A unit is stepped in backward once all its gradients
+    are in; the root's embedding gradient comes last, so a root holding the head too would keep
+    the head's 57M elements (at 1B) out of the overlap. DeepSpeed partitions per parameter."""
+    from zerokit.models.gpt import Block
+
+    return isinstance(module, Block) or name in ("transformer.wte", "lm_head")
+
+
 def setup_zerokit(args, rec):
     import zerokit
 
@@ -247,7 +273,8 @@ def setup_zerokit(args, rec):
     rec["config"] = cfg
     try:
         model = _build(zerokit, cfg, args.model)
-        engine, _, _, _ = zerokit.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine, _, _, _ = zerokit.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                             wrap=zk_wrap)
     except (NotImplementedError, ValueError) as e:  # a refusal (e.g. nvme not built yet) is a row note
         raise NotAvailable(f"{type(e).__name__}: {str(e)[:300]}") from e
     return engine
@@ -328,7 +355,7 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
     family, _, label = ROWS[name]
     res = {"row": name, "model": model, "label": label, "budget_gib": budget}
     free = shutil.disk_usage(parent).free
-    need = expected_disk_bytes(model)
+    need = expected_disk_bytes(model, name)
     if free - need < args.min_free_gib * GiB:
         res.update(status="skipped", reason=f"needs ~{need / GiB:.1f} GiB on disk, {free / GiB:.1f} free "
                                             f"(keeping {args.min_free_gib} GiB)")

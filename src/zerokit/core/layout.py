@@ -21,7 +21,8 @@ host part's length, `r` = this rank's shard):
     master       fp32, [a + k, b)        the device part's master (fp32 compute: the weights)
     master_grad  fp32, [a + k, b)        the device part's reduced gradient (stage 0 fp32: grads)
     host_master  fp32, [a, a + k)        the host part's master (fp32 + in-place: the host shard)
-    host_grad0/1 fp32, [a, a + k)        the host part's gradient (two with the delayed update)
+    host_grad0/1 fp32, [a, a + k)        the host part's gradient (two with the delayed update,
+                                         none with step_in_backward: held only while in use)
     host_out16   compute dtype, [a, a+k) the host kernel's 16-bit output (in-place: the host shard)
     host_staging fp32, [a, a + k)        pinned landing buffer for device -> host gradients (CUDA)
     nvme_*       with offload_optimizer device 'nvme' the offloaded range [a, a + k) splits:
@@ -206,8 +207,9 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     out = [BufferRecord("host_master", "master", "host", f32, lo, hi, pinned=pin,
                         alias_of="shard" if in_place and fp32 else None)]
     # With the delayed update the worker reads one gradient buffer while the next backward fills
-    # the other; without it one buffer suffices.
-    for i in range(2 if placement.delayed else 1):
+    # the other; without it one buffer suffices; stepped in backward, none is kept between steps
+    # (core/parts.py HeldGradient).
+    for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1):
         out.append(BufferRecord(f"host_grad{i}", "grads", "host", f32, lo, hi, pinned=pin))
     if not fp32:
         out.append(BufferRecord("host_out16", "buffers", "host", compute_dtype, lo, hi, pinned=pin,

@@ -14,17 +14,12 @@ from __future__ import annotations
 import torch
 
 from zerokit.core.layout import OptimizerPart
+from zerokit.core.held_gradient import host_buffer
 from zerokit.core.parts import STATE_NAMES, HostPart
 from zerokit.io.aio import wait_all
-from zerokit.io.buffers import aligned_empty
 from zerokit.optim import host as host_kernels
 from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
 from zerokit.tiers.tier import Tier
-
-
-def host_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A host tensor at a 4096-aligned address: a file range at offset 0 moves by O_DIRECT."""
-    return aligned_empty(numel * torch.empty(0, dtype=dtype).element_size()).view(dtype)
 
 
 def read_range(nvme: NvmeTier, rng: FileRange) -> torch.Tensor:
@@ -115,61 +110,6 @@ class FileGradient:
         self._exact = True
 
 
-class HeldGradient:
-    """A part's fp32 gradient held in host memory from its reduction until the stream has
-    stepped it (offload_optimizer.step_in_backward): no gradient file, no gradient I/O.
-
-    Zero-filled when the first piece lands; each element lands once per step (accumulation over
-    micro-steps is refused with step_in_backward), so the sum of squares is taken per piece, as
-    FileGradient does. `release` frees the memory once stepped; the norm stays until `clear`.
-    """
-
-    def __init__(self, numel: int):
-        self.numel = numel
-        self.buffer: torch.Tensor | None = None
-        self._sq = 0.0
-
-    @property
-    def range(self) -> "HeldGradient":
-        """What `NvmePart.grad` hands the executor: the gradient itself (no file range)."""
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.buffer is None else self.numel * 4
-
-    def _landing(self) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = host_buffer(self.numel)
-            self.buffer.zero_()
-        return self.buffer
-
-    def add(self, piece: torch.Tensor, offset: int) -> None:
-        dest = self._landing()[offset:offset + piece.numel()]
-        dest.add_(piece.to("cpu"))
-        self._sq += host_kernels.grad_sq_norm(dest)[0]
-
-    def values(self, lo: int, n: int) -> torch.Tensor:
-        """Elements [lo, lo + n) for the kernel (zeros where nothing landed)."""
-        return self._landing()[lo:lo + n]
-
-    def settle(self) -> None:
-        """Nothing in flight: pieces are added on arrival."""
-
-    def sq_norm(self) -> float:
-        return self._sq
-
-    def zero_unwritten(self) -> None:
-        """Zero-filled when allocated."""
-
-    def release(self) -> None:
-        self.buffer = None
-
-    def clear(self) -> None:
-        self.buffer = None
-        self._sq = 0.0
-
-
 def _gaps(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The sub-ranges of [lo, hi) outside every range in `covered`."""
     out, at = [], lo
@@ -197,8 +137,7 @@ class NvmePart(HostPart):
         self.master: FileRange
         # one gradient file, two with the delayed update (the stream reads one, backward writes
         # the other; HostPart.swap_grads flips `current`); none with step_in_backward: held
-        self.gradients = ([FileGradient(nvme, g) for g in self.grads] if self.grads
-                          else [HeldGradient(self.numel)])
+        self.gradients = [FileGradient(nvme, g) for g in self.grads] if self.grads else [self.held]
 
     # ---- gradients in: a file (see [Note: gradients on NVMe]) -----------------------------------
     @property
@@ -208,7 +147,8 @@ class NvmePart(HostPart):
 
     @property
     def grad(self):
-        """What the step reads: the gradient's file range, or the held gradient itself."""
+        """What the step reads: the gradient's file range, or the held gradient itself (the
+        stream takes its sub-groups' values there, see engine/nvme_executor.py)."""
         return self.gradient.range
 
     def gradient_in_flight(self) -> "FileGradient | HeldGradient":

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.core.layout import OptimizerPart
+from zerokit.core.held_gradient import HeldGradient
 from zerokit.optim import host as host_kernels
 from zerokit.tiers.tier import CopyHandle, Tier
 
@@ -95,6 +96,8 @@ class HostPart:
         self.lo, self.hi = span.lo, span.hi
         self.master = buffers["host_master"]
         self.grads = [buffers[n] for n in ("host_grad0", "host_grad1") if n in buffers]
+        # step_in_backward: no gradient buffer between steps, one held while in use
+        self.held = None if self.grads else HeldGradient(self.numel)
         self.current = 0
         self.out16 = buffers.get("host_out16")
         self.staging = buffers.get("host_staging")
@@ -120,7 +123,7 @@ class HostPart:
     @property
     def grad(self) -> torch.Tensor:
         """The buffer the current backward accumulates into and the next step reads."""
-        return self.grads[self.current]
+        return self.held.values() if self.held is not None else self.grads[self.current]
 
     def init_state(self, family: str, fill: float = 0.0) -> None:
         if self.state:
@@ -137,7 +140,10 @@ class HostPart:
         Adds: the host gradient is zeroed after every step (below stage 2 reduced once: written)."""
         lo, hi = offset, offset + part.numel()
         if part.device.type == "cpu":
-            self.grad[lo:hi].add_(part)
+            if self.held is not None:
+                self.held.add(part, lo)
+            else:
+                self.grad[lo:hi].add_(part)
             return
         if any(a < hi and lo < b for _, a, b in self._staged):
             self.settle()  # an earlier micro-step's bucket still occupies this staging range
@@ -147,17 +153,26 @@ class HostPart:
         """Finish the device -> host gradient copies in flight (CUDA) and accumulate them."""
         for done, lo, hi in self._staged:
             done.synchronize()
-            self.grad[lo:hi].add_(self.staging[lo:hi])
+            if self.held is not None:
+                self.held.add(self.staging[lo:hi], lo)
+            else:
+                self.grad[lo:hi].add_(self.staging[lo:hi])
         self._staged = []
+        if self.held is not None:
+            self.held.settle()
 
     def grad_sq_norm(self) -> torch.Tensor:
         self.settle()
-        total, _finite = host_kernels.grad_sq_norm(self.grad)
+        total = (self.held.sq_norm() if self.held is not None else  # taken as pieces landed
+                 host_kernels.grad_sq_norm(self.grad)[0])
         return torch.tensor(total, dtype=torch.float64, device=self.unit.device)
 
     def zero_grad(self) -> None:
         self.settle()
-        self.grad.zero_()
+        if self.held is not None:
+            self.held.clear()
+        else:
+            self.grad.zero_()
 
     def swap_grads(self) -> None:
         """Delayed update: the step just launched reads this buffer; backward fills the other

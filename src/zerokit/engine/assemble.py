@@ -16,14 +16,15 @@ from zerokit.core.collectives import Comm
 from zerokit.core.devices import model_device_of
 from zerokit.core.leaf import leaf_parameter_ids
 from zerokit.core.ds_params import attach_ds_views
+from zerokit.core.held_gradient import GradientPool
 from zerokit.core.layout import UnitLayout, plan_layout
 from zerokit.core.unit import Unit
 from zerokit.core.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
-from zerokit.engine.executors import DeviceExecutor, HostExecutor
+from zerokit.engine.executors import HELD_PARTS, DeviceExecutor, HostExecutor
 from zerokit.engine import host_budget, nvme_plan
-from zerokit.engine.nvme_executor import HELD_PARTS, NvmeExecutor, StreamSettings, buffer_set_bytes
+from zerokit.engine.nvme_executor import NvmeExecutor, StreamSettings, buffer_set_bytes
 from zerokit.engine.optimizer import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.schedulers import build_scheduler
@@ -75,6 +76,9 @@ def initialize(model: nn.Module, optimizer: Any = None,
     # cannot hold is refused with the numbers (engine/host_budget.py).
     layouts = plan(placement)
     need = host_budget.host_need(layouts, recipe.kind)
+    if placement.step_in_backward:  # gradients held until stepped (HELD_PARTS), and one landing
+        need.grads += (HELD_PARTS + 1) * 4 * max((lay.host_numel + lay.nvme_numel for lay in layouts),
+                                                 default=0)
     on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind, need)
     host_budget.check_host_memory(need, placement)
     nvme = NvmeTier(ledger, on_nvme, rank=comm.rank,
@@ -108,6 +112,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
     if any(p.tier == "nvme" for u in units for p in u.parts):  # after the host executor (its
         # worker overlaps the stream), before torch
         executors.insert(-1, _nvme_executor(cfg, units, nvme, torch_optimizer, ledger, placement))
+    if placement.step_in_backward:
+        _lend_gradients(executors, ledger)
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch,
                     executors)
     engine.config = config_dict(config if config is not None else config_params, cfg)
@@ -171,8 +177,6 @@ def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind
                                      zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path
                                      else 0))
         need.buffers += buffer_set_bytes(_stream_settings(cfg), kind, largest)
-        if placement.step_in_backward:  # gradients held until stepped, and one landing
-            need.buffers += (HELD_PARTS + 1) * 4 * largest
         paths.append(zero.offload_optimizer.nvme_path)
     if shards:
         if paths and os.path.realpath(paths[0]) != os.path.realpath(zero.offload_param.nvme_path):
@@ -195,6 +199,17 @@ def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledg
     executor = NvmeExecutor(units, nvme, _stream_settings(cfg), ledger, placement)
     executor.bind(torch_optimizer)  # fails here, naming the optimizer, if it has no host kernel
     return executor
+
+
+def _lend_gradients(executors: list, ledger: Ledger) -> None:
+    """step_in_backward: one pool of HELD_PARTS + 1 buffers of the largest offloaded part for
+    every held gradient ([Note: held gradients] in core/held_gradient.py), counted in the ledger."""
+    kernel = [e for e in executors if isinstance(e, HostExecutor)]
+    largest = max((p.numel for e in kernel for p in e.shards), default=0)
+    pool = GradientPool(largest, HELD_PARTS + 1)
+    for executor in kernel:
+        executor.lend_gradients(pool)
+    ledger.track_external("held_gradients", "host", "grads", lambda: pool.nbytes)
 
 
 def _auto_ratio(placement: PlacementPolicy, plan, device: torch.device, dtype: torch.dtype

@@ -175,6 +175,10 @@ class PartFeed:
                 self._cv.wait()
 
 
+# step_in_backward: parts whose gradients may wait in host memory for the worker (see held_limit)
+HELD_PARTS = 2
+
+
 # Executors whose worker may still run when the interpreter exits (a delayed update in flight).
 _LIVE: "weakref.WeakSet[HostExecutor]" = weakref.WeakSet()
 
@@ -252,9 +256,21 @@ class HostExecutor:
                 s.swap_grads()
         self.launches += 1
 
+    def lend_gradients(self, pool) -> None:
+        """step_in_backward: the parts' held gradients take their buffers from `pool`
+        ([Note: held gradients] in core/held_gradient.py)."""
+        for s in self.shards:
+            s.held.pool = pool
+
+    def held_limit(self) -> int:
+        """step_in_backward: backward waits for the worker while the gradients offered and not
+        yet stepped exceed HELD_PARTS of the largest part (one stepping, one waiting)."""
+        return HELD_PARTS * 4 * max((p.numel for p in self.shards), default=0)
+
     def offer(self, unit) -> None:
         """step_in_backward: `unit`'s gradient has landed; its parts step now, on the worker,
-        while backward goes on (started by the step's first offer, joined in before_step)."""
+        while backward goes on (started by the step's first offer, joined in before_step).
+        Returns once the gradients waiting for the worker fit in `held_limit`."""
         parts = [s for s in self.shards if s.unit is unit]
         if not parts:
             return
@@ -267,9 +283,12 @@ class HostExecutor:
                     f"backward before engine.step(); each backward's update is applied as it "
                     f"runs, so call engine.step() after every backward (or turn the key off)")
             s.settle()
+            s.held.offered = True  # released by the worker once stepped
             self._in_backward.add(id(s))
             self._enter(s)
             self._feed.put(s)
+        limit = self.held_limit()
+        self._feed.wait_while(lambda waiting: sum(p.numel * 4 for p in waiting) > limit)
 
     def _start(self, feed: PartFeed, coef: float, given: list | None = None) -> None:
         """A worker stepping `feed`'s parts (`given` those it holds already); RUNNING until
@@ -308,6 +327,8 @@ class HostExecutor:
         i = 0
         while (s := feed.get(i)) is not None:
             self._step_fn(s, groups[s.group], coef)
+            if s.held is not None:  # step_in_backward: the gradient is spent
+                s.held.release()
             feed.finished()
             i += 1
 

@@ -29,20 +29,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 
 import torch
 
-from zerokit.core.nvme_part import HeldGradient, NvmePart, host_buffer
+from zerokit.core.nvme_part import NvmePart
+from zerokit.core.held_gradient import HeldGradient, host_buffer
 from zerokit.core.parts import STATE_NAMES
 from zerokit.engine.executors import HostExecutor, PartFeed
 from zerokit.io.aio import wait_all
 from zerokit.policy import PlacementPolicy
 from zerokit.tiers.nvme import NvmeHandle, NvmeTier
-
-
-# step_in_backward: parts whose gradients may wait in host memory for the stream (see held_limit)
-HELD_PARTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +105,6 @@ class NvmeExecutor(HostExecutor):
         self.last_io: dict[str, float] = {}
         self.steps_io: list[dict[str, float]] = []  # every step's, for the benchmark
         nvme.stats.reset()  # the first step's count starts here, after the files were filled
-        if placement.step_in_backward:  # gradients held in host memory until stepped
-            me = weakref.ref(self)
-            ledger.track_external("nvme_executor/held_gradients", "host", "grads",
-                                  lambda: me().held_bytes() if me() is not None else 0)
 
     @property
     def parts(self) -> list[NvmePart]:
@@ -121,21 +113,6 @@ class NvmeExecutor(HostExecutor):
     def set_bytes(self) -> int:
         """Host bytes of the buffer sets (what the host budget counts for the stream)."""
         return buffer_set_bytes(self.settings, self.family, max((p.numel for p in self.parts), default=0))
-
-    def held_bytes(self) -> int:
-        """Host bytes of the gradients held until stepped (step_in_backward)."""
-        return sum(p.gradient.nbytes for p in self.parts if isinstance(p.gradient, HeldGradient))
-
-    def held_limit(self) -> int:
-        """step_in_backward: backward waits for the stream while the gradients offered and not
-        yet stepped exceed HELD_PARTS of the largest part (one stepping, one waiting)."""
-        return HELD_PARTS * 4 * max((p.numel for p in self.parts), default=0)
-
-    def offer(self, unit) -> None:
-        super().offer(unit)
-        if self._feed is not None:
-            limit = self.held_limit()
-            self._feed.wait_while(lambda waiting: sum(p.numel * 4 for p in waiting) > limit)
 
     def _run(self, feed: PartFeed, groups: list[dict], coef: float) -> None:
         """On the worker thread: the stream, and its I/O report."""
@@ -217,8 +194,8 @@ class NvmeExecutor(HostExecutor):
             if not self.settings.pipeline_write:
                 b.wait_writes()
             if lo + n == s.numel:  # the part's last sub-group: its held gradient is spent
-                if isinstance(s.grad_in_flight, HeldGradient):
-                    s.grad_in_flight.release()
+                if s.held is not None:
+                    s.held.release()
                 feed.finished()
             i += 1
         for b in sets:
