@@ -193,7 +193,7 @@ def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = Fal
     else:
         left = max(0, int((budget_gib - ALLOWANCE_GIB) * GiB))
         if step_in_backward:  # gradients held until stepped: HELD_PARTS + 1 of the largest unit
-            left -= 3 * 4 * VOCAB * MODELS[model][1]
+            left = max(0, left - 3 * 4 * VOCAB * MODELS[model][1])
     if weights_in_ram or 2 * n <= left:
         param = {"device": "cpu", "pin_memory": False}
         left -= 2 * n
