@@ -75,7 +75,8 @@ def _train(rank, world, cfg, model=None):
            "shard_bytes": sum(u.nvme_shard.file.nbytes for u in engine.units if u.nvme_shard),
            "edited_bytes": sum(u.nvme_shard.file.nbytes for u in engine.units  # written by the edit
                                if u.nvme_shard and u.module is engine.module.transformer.h[1]),
-           "io": None if nvme is None else (nvme.stats.bytes_read, nvme.stats.bytes_written),
+           "io": None if nvme is None else (nvme.stats.total_read, nvme.stats.total_written),
+           "step_io": engine.nvme_io(), "report": engine.memory_report(),
            "nvme_weights": engine.ledger.bytes(tier="nvme", kind="weights")}
     engine.destroy()
     return out
@@ -124,6 +125,11 @@ def test_nvme_params_equal_cpu_params(tmp_path, world):
                 assert written == (STEPS + 1) * nvme["shard_bytes"] + nvme["edited_bytes"], what
                 assert nvme["edited_bytes"] > 0, what
                 assert read >= 2 * STEPS * nvme["shard_bytes"], (what, nvme["io"])
+                # the last step's report: the weights read for forward and backward, written back
+                step = nvme["step_io"]
+                assert step["bytes_read"] >= 2 * nvme["shard_bytes"], (what, step)
+                assert step["bytes_written"] == nvme["shard_bytes"], (what, step)
+                assert "nvme I/O, last step" in nvme["report"], what
     assert not os.listdir(tmp_path), "the swap directory is removed when the engine is destroyed"
 
 

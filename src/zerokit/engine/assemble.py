@@ -122,6 +122,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
     engine.placement = placement
     if nvme is not None:  # closed (files removed) when the engine is released, after the units
         engine._attachment.tiers.append(nvme)
+        engine.nvme_tier = nvme
+        nvme.stats.reset()  # the first step's I/O count starts here, after the files were filled
     _configure_activation_checkpointing(cfg, ledger)
     report_startup(engine)
     dataloader = _dataloader(training_data, batch[1], comm, collate_fn)

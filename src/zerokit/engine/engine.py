@@ -76,6 +76,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._release_when_dropped = weakref.finalize(self, self._attachment.release, "dropped")
         self._release_when_dropped.atexit = False  # at exit, peers may be gone: no collective waits
         self.executors = executors
+        self.nvme_tier = None  # the NVMe tier, when something lives there (set by initialize)
         self.training_state = TrainingState.IDLE  # see [Note: state machines] (core/states.py)
         self._recomputing: nn.Module | None = None  # the outermost module recomputing in backward
         self._reduce_now = False
@@ -279,6 +280,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._clear_grads()  # while the new weights are gathered
         if not self.config.zero_optimization.async_weight_publish:
             self.wait_for_weights()
+        self._record_io()
         self._timers["step"] += time.perf_counter() - t0
         if self.global_steps % self.config.steps_per_print == 0:
             self._report_progress(overflow)
@@ -524,16 +526,26 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def memory_report(self, peak: bool = False) -> str:
         text = self.ledger.format(f"memory on rank {self.comm.rank} ({'peak' if peak else 'now'})", peak)
         io = self.nvme_io()
-        if io:  # ZeRO-Infinity: the last step's optimizer stream (engine/nvme_executor.py)
+        if io:  # ZeRO-Infinity: the last step's NVMe I/O (see nvme_io)
             text += (f"\nnvme I/O, last step: read {io['bytes_read'] / 2**20:.2f} MiB, wrote "
                      f"{io['bytes_written'] / 2**20:.2f} MiB, {io['gb_per_s']:.2f} GB/s over "
-                     f"{io['io_s']:.3f} s, step waited {io['wait_s']:.3f} s on I/O "
-                     f"(optimizer stream {io['step_s']:.3f} s)")
+                     f"{io['io_s']:.3f} s, threads waited {io['wait_s']:.3f} s on I/O "
+                     f"(optimizer stream {io['stream_s']:.3f} s)")
         return text
 
     def nvme_io(self) -> dict:
-        """The last step's NVMe I/O (bytes read / written, GB/s, seconds waited), {} without."""
+        """The last step's NVMe I/O, {} without NVMe: bytes read and written since the previous
+        step's end (weights read for forward and backward, gradients, the optimizer stream, the
+        weights written back), GB/s over the I/O's wall time, seconds threads waited on it, and
+        the optimizer stream's own wall time."""
         return self.ledger.io("nvme")
+
+    def _record_io(self) -> None:
+        if self.nvme_tier is None:
+            return
+        report = self.nvme_tier.stats.take()
+        report["stream_s"] = sum(getattr(e, "stream_s", 0.0) for e in self.kernel_executors)
+        self.ledger.record_io("nvme", report)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

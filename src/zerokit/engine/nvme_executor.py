@@ -20,10 +20,8 @@ executor's worker thread (the executor is a HostExecutor whose `_run` streams): 
 step's forward and backward (each part then has two gradient files: the stream reads one while
 backward writes the other). The I/O engine's own threads overlap the kernel.
 
-I/O per step is counted by the tier's stats and kept in `last_io` (bytes read / written, GB/s over
-the I/O's wall time, the seconds the step waited on I/O), shown by `engine.memory_report()`; a
-step's count runs from the end of the previous step's stream, so it includes the gradients the
-backward wrote (see [Note: gradients on NVMe] in core/nvme_part.py).
+The engine counts each step's NVMe I/O, the stream's and the weights' (Engine._record_io); the
+stream's own wall time is `stream_s`.
 """
 from __future__ import annotations
 
@@ -102,9 +100,7 @@ class NvmeExecutor(HostExecutor):
         super().__init__(units, placement)
         self.nvme, self.settings, self.ledger = nvme, settings, ledger
         self._sets: list[_BufferSet] = []
-        self.last_io: dict[str, float] = {}
-        self.steps_io: list[dict[str, float]] = []  # every step's, for the benchmark
-        nvme.stats.reset()  # the first step's count starts here, after the files were filled
+        self.stream_s = 0.0  # the last stream's wall time
 
     @property
     def parts(self) -> list[NvmePart]:
@@ -115,19 +111,14 @@ class NvmeExecutor(HostExecutor):
         return buffer_set_bytes(self.settings, self.family, max((p.numel for p in self.parts), default=0))
 
     def _run(self, feed: PartFeed, groups: list[dict], coef: float) -> None:
-        """On the worker thread: the stream, and its I/O report."""
+        """On the worker thread: the stream, timed."""
         start = time.perf_counter()
         try:
             self._stream(feed, groups, coef)
         except BaseException:
             self._drain()
             raise
-        report = self.nvme.stats.snapshot()
-        self.nvme.stats.reset()
-        report["step_s"] = time.perf_counter() - start
-        self.last_io = report
-        self.ledger.record_io("nvme", report)
-        self.steps_io.append(report)
+        self.stream_s = time.perf_counter() - start
 
     def close(self) -> None:
         """The engine is released: the update in flight ends, the swap files are removed."""

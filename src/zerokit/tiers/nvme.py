@@ -72,22 +72,35 @@ class IOStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.total_read = self.total_written = 0  # since the tier opened (never reset)
         self.reset()
 
     def reset(self) -> None:
         with self._lock:
-            self.bytes_read = 0
-            self.bytes_written = 0
-            self.wait_s = 0.0  # callers blocked in wait()
-            self._first: float | None = None  # first submission
-            self._last: float | None = None  # last completion
+            self._reset()
+
+    def _reset(self) -> None:
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.wait_s = 0.0  # callers blocked in wait()
+        self._first: float | None = None  # first submission
+        self._last: float | None = None  # last completion
+
+    def take(self) -> dict[str, float]:
+        """The snapshot, and a reset, at once (no submission falls between the two)."""
+        with self._lock:
+            out = self.snapshot()
+            self._reset()
+            return out
 
     def submitted(self, nbytes: int, write: bool) -> None:
         with self._lock:
             if write:
                 self.bytes_written += nbytes
+                self.total_written += nbytes
             else:
                 self.bytes_read += nbytes
+                self.total_read += nbytes
             if self._first is None:
                 self._first = time.perf_counter()
 
