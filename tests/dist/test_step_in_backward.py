@@ -194,7 +194,7 @@ def _resident_after_steps(rank, world, cfg, layers, width):
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         tokens = torch.randint(0, 64, (MICRO, 17), generator=g)
-        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        engine.backward(engine(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
         engine.step()
     rss = psutil.Process().memory_info().rss
     numel = sum(u.numel for u in engine.units if u.trainable)
