@@ -58,7 +58,7 @@ MODELS = {  # name -> (n_layer, n_embd, n_head)
     "125m": (12, 768, 12),
     "1b": (24, 1792, 14),
     "3b": (32, 2560, 20),
-    "4b": (36, 2816, 22),
+    "4b": (40, 2944, 23),  # 4.35B: 16 B of states per parameter = 69.6 GB, 2.75x this VM's 23.5 GiB
 }
 VOCAB, SEQ, MICRO = 32000, 128, 1
 ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
@@ -299,23 +299,27 @@ def run_worker(args) -> int:
         rec["rss_after_setup_mb"] = C.current_rss_mb()
         g = torch.Generator().manual_seed(7)
         toks = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g) for _ in range(args.warmup + args.steps)]
-        steps, reads, writes, losses = [], [], [], []
+        steps, phases, reads, writes, losses = [], [], [], [], []
         for i, t in enumerate(toks):
             r0, w0 = _io_counters()
             t0 = C.now()
             loss = engine(t[:, :-1].contiguous(), t[:, 1:].contiguous())
+            t1 = C.now()
             engine.backward(loss)
+            t2 = C.now()
             engine.step()
             dt = C.now() - t0
             r1, w1 = _io_counters()
             losses.append(float(loss.detach().float()))
             if i >= args.warmup:
                 steps.append(dt)
+                phases.append((t1 - t0, t2 - t1, t0 + dt - t2))
                 reads.append(r1 - r0)
                 writes.append(w1 - w0)
-            print(f"step {i}: {dt:.2f} s, read {(r1 - r0) / GiB:.2f} GiB, wrote {(w1 - w0) / GiB:.2f} GiB",
+            print(f"step {i}: {dt:.2f} s (forward {t1 - t0:.2f}, backward {t2 - t1:.2f}, step() "
+                  f"{t0 + dt - t2:.2f}), read {(r1 - r0) / GiB:.2f} GiB, wrote {(w1 - w0) / GiB:.2f} GiB",
                   flush=True)
-        rec.update(step_s=steps, read_bytes=reads, write_bytes=writes, losses=losses)
+        rec.update(step_s=steps, phases_s=phases, read_bytes=reads, write_bytes=writes, losses=losses)
         report = getattr(engine, "memory_report", None)
         if family == "zerokit" and report is not None:
             rec["memory_report"] = str(report())
@@ -396,7 +400,8 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
     res.update(step_s=step, peak_rss_mb=rec["peak_rss_mb"], setup_s=rec["setup_s"], losses=rec["losses"],
                read_bytes_per_step=C.summarize(rec["read_bytes"])["median"],
                write_bytes_per_step=C.summarize(rec["write_bytes"])["median"],
-               tokens_per_s=MICRO * SEQ / step["median"], memory_report=rec.get("memory_report"))
+               tokens_per_s=MICRO * SEQ / step["median"], memory_report=rec.get("memory_report"),
+               phases_s=rec.get("phases_s"))
     res["io_gb_s"] = (res["read_bytes_per_step"] + res["write_bytes_per_step"]) / step["median"] / 1e9
     return res
 
