@@ -247,6 +247,18 @@ def adopt_constructed(model: nn.Module, params: list[nn.Parameter]) -> list[Unit
     return units
 
 
+def constructed_host_bytes(model: nn.Module) -> int:
+    """Host bytes the construction units of `model` hold (zero.Init shards in host memory):
+    initialize frees them as it lays out the model's units, so its host check counts them as
+    available (a model built into host memory would otherwise be refused for its own shards)."""
+    total = 0
+    for m in model.modules():
+        u = _CONSTRUCTED.get(m)
+        if u is not None and u.nvme_shard is None and u.shard is not None and u.shard.device.type == "cpu":
+            total += u.shard.numel() * u.shard.element_size()
+    return total
+
+
 def retire_constructed(model: nn.Module) -> None:
     """Free every construction unit of this model's modules (adopted or orphaned by tying)."""
     for m in model.modules():

@@ -110,7 +110,7 @@ class HostPart:
         self.group = 0  # the optimizer param group whose hyper-parameters apply (bound later)
         self._staged: list[tuple[CopyHandle, int, int]] = []  # copies in flight
         self.grad_in_flight: torch.Tensor | None = None  # the buffer the running update reads
-        self.busy = None  # threading.Event set while an executor's worker may write master/state
+        self.busy = None  # the executor worker that may write master/state (executors.WorkerDone)
 
     @property
     def unit(self):

@@ -32,7 +32,7 @@ from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tiers import Ledger
 from zerokit.tiers.nvme import NvmeTier
 from zerokit.utils.logs import configure_logging
-from zerokit.zero import adopt_constructed, retire_constructed
+from zerokit.zero import adopt_constructed, constructed_host_bytes, retire_constructed
 
 
 def initialize(model: nn.Module, optimizer: Any = None,
@@ -80,7 +80,11 @@ def initialize(model: nn.Module, optimizer: Any = None,
         need.grads += (HELD_PARTS + 1) * 4 * max((lay.host_numel + lay.nvme_numel for lay in layouts),
                                                  default=0)
     on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind, need)
-    host_budget.check_host_memory(need, placement)
+    avail, source = host_budget.available_host_bytes()
+    freed = constructed_host_bytes(model)  # zero.Init's shards, freed as the units are laid out
+    if freed:
+        avail, source = avail + freed, f"{source}, with the {host_budget.size(freed)} of zero.Init shards initialize frees"
+    host_budget.check_host_memory(need, placement, available=(avail, source))
     nvme = NvmeTier(ledger, on_nvme, rank=comm.rank,
                     config=cfg.aio.engine_config()) if on_nvme else None
     units = []
@@ -161,7 +165,8 @@ def _layouts(groups: list, comm: Comm, policy: PartitionPolicy, dtype: torch.dty
 def _stream_settings(cfg) -> StreamSettings:
     off = cfg.zero_optimization.offload_optimizer
     return StreamSettings(cfg.zero_optimization.sub_group_size, off.buffer_count,
-                          off.pipeline_read, off.pipeline_write)
+                          off.pipeline_read, off.pipeline_write,
+                          gradients_in_files=not off.step_in_backward)
 
 
 def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None,

@@ -9,11 +9,12 @@ Per step, `Engine.step` calls on every executor, host executors first so that th
     finish()          the update's weights are ready to publish, unless it is delayed (the host
                       executor's worker then runs into the next step's forward and backward:
                       ZeRO-Offload's one-step delayed update)
+    after_skip()      an overflowing step launched nothing: still publish what before_step wrote
 With offload_optimizer.step_in_backward the kernel executors start earlier: backward `offer`s
 each unit once its gradient is reduced, and the worker steps its parts while backward goes on
-(a `PartFeed` open until before_step); launch then steps only the parts not offered (units this
-rank's backward did not reach but another rank's did).
-    after_skip()      an overflowing step launched nothing: still publish what before_step wrote
+(a `PartFeed` open until before_step, or until something reads a part's state); launch then
+steps only the parts not offered (units this rank's backward did not reach but another rank's
+did).
 `DeviceExecutor`: torch's optimizer over the device parts. `HostExecutor`: the native kernel over
 the host parts, in a worker thread. The streaming NVMe executor (read i+1, step i, write i-1;
 engine/nvme_executor.py) is a HostExecutor whose `_run` streams the nvme parts from their files,
@@ -154,6 +155,10 @@ class PartFeed:
             self._open = False
             self._cv.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
     def get(self, i: int, wait: bool = True):
         """Part i; None when there is none (closed, or not yet and `wait` is False)."""
         with self._cv:
@@ -173,6 +178,23 @@ class PartFeed:
             while (self._open and len(self._parts) - self._done > 1
                    and too_much(self._parts[self._done:])):
                 self._cv.wait()
+
+
+class WorkerDone:
+    """What a stepped part's `wait()` waits for: its worker has stepped every part of its feed.
+    Waiting closes the feed first, so reading a part's state between a backward that stepped in
+    backward and step() (a checkpoint, a state dict, an edit) ends that worker instead of waiting
+    for a step() that this thread would have to call."""
+
+    def __init__(self, feed: PartFeed):
+        self._feed, self._event = feed, threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def wait(self) -> None:
+        self._feed.close()
+        self._event.wait()
 
 
 # step_in_backward: parts whose gradients may wait in host memory for the worker (see held_limit)
@@ -274,6 +296,9 @@ class HostExecutor:
         parts = [s for s in self.shards if s.unit is unit]
         if not parts:
             return
+        if self._feed is not None and self._feed.closed:  # a state reader ended the last worker
+            self._join()
+            self._write_back()
         if self._feed is None:
             self._start(PartFeed(open_=True), 1.0)
         for s in parts:
@@ -297,7 +322,7 @@ class HostExecutor:
             self._copied.synchronize()
             self._copied = None
         groups = [dict(g) for g in self.optimizer.param_groups]  # a snapshot: schedulers move on
-        self._done = threading.Event()
+        self._worker_done = WorkerDone(feed)
         for s in given or []:
             self._enter(s)
 
@@ -308,7 +333,7 @@ class HostExecutor:
                 self._error = e
             finally:
                 feed.close()  # an offer waiting for room returns
-                self._done.set()
+                self._worker_done.set()
 
         self._feed = feed
         self._move(ExecutorState.RUNNING)
@@ -319,7 +344,7 @@ class HostExecutor:
         """`s` is stepped by the running worker: counted, its gradient taken, marked busy."""
         s.steps += 1
         s.grad_in_flight = s.grad
-        s.busy = self._done
+        s.busy = self._worker_done
         self._stepped.append(s)
 
     def _run(self, feed: PartFeed, groups: list[dict], coef: float) -> None:

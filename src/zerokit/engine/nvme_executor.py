@@ -47,6 +47,7 @@ class StreamSettings:
     buffer_count: int = 4
     pipeline_read: bool = False
     pipeline_write: bool = False
+    gradients_in_files: bool = True  # False with step_in_backward: held in host memory instead
 
     @property
     def read_ahead(self) -> int:
@@ -68,16 +69,17 @@ class _View:
 
 
 class _BufferSet:
-    def __init__(self, numel: int, names: tuple[str, ...]):
+    def __init__(self, numel: int, names: tuple[str, ...], with_grad: bool):
         self.master = host_buffer(numel)
-        self.grad = host_buffer(numel)  # read only: never written back
+        # read only, never written back; none where the kernel reads a held gradient
+        self.grad = host_buffer(numel) if with_grad else None
         self.state = {k: host_buffer(numel) for k in names}
         self.reads: list[NvmeHandle] = []
         self.writes: list[NvmeHandle] = []
 
     @property
     def nbytes(self) -> int:
-        return (2 + len(self.state)) * self.master.numel() * 4
+        return (1 + (self.grad is not None) + len(self.state)) * self.master.numel() * 4
 
     def wait_writes(self) -> None:
         """Every write of the set has ended when this returns, the first failure raised after:
@@ -129,7 +131,7 @@ class NvmeExecutor(HostExecutor):
     # ---- streaming ---------------------------------------------------------------------------
     def _buffer_sets(self, numel: int) -> list[_BufferSet]:
         if not self._sets or self._sets[0].master.numel() < numel:
-            self._sets = [_BufferSet(numel, STATE_NAMES[self.family])
+            self._sets = [_BufferSet(numel, STATE_NAMES[self.family], self.settings.gradients_in_files)
                           for _ in range(self.settings.buffer_count)]
             self.ledger.hold_bytes("nvme_executor/buffer_sets", "buffers", "host",
                                    sum(b.nbytes for b in self._sets))
@@ -215,6 +217,7 @@ class NvmeExecutor(HostExecutor):
 
 def buffer_set_bytes(settings: StreamSettings, family: str | None, largest_part: int) -> int:
     """Host bytes of the stream's buffer sets: buffer_count x (master + gradient + state) x a
-    sub-group."""
+    sub-group (no gradient where gradients are held, not in files)."""
     states = len(STATE_NAMES.get(family or "adam", ("a", "b")))
-    return settings.buffer_count * (2 + states) * 4 * min(settings.sub_group_size, largest_part)
+    tensors = 1 + settings.gradients_in_files + states
+    return settings.buffer_count * tensors * 4 * min(settings.sub_group_size, largest_part)
