@@ -29,7 +29,8 @@ A host budget becomes zerokit's own keys (`budget_keys`): the 16-bit weights sta
 if they fit (offload_param cpu; else NVMe with offload_param.max_in_cpu of them in RAM), then
 offload_optimizer.max_in_cpu keeps as many optimizer elements (16 B each: master, gradient, two
 moments) in RAM as the rest allows, after a fixed allowance for the process, activations and the
-stream's buffers.
+stream's buffers; with weights on NVMe, ZK_PARAM_BUFFERS read-ahead buffers of the largest shard
+come off the budget first. Both sides build the model in bf16 (zero.Init dtype).
 
 Measured outside the libraries under test: step time (wall clock around forward+backward+step),
 peak RSS (ru_maxrss), bytes read and written per step (/proc/self/io read_bytes/write_bytes: what
@@ -76,6 +77,9 @@ ROWS = {
 # embedding + head, 115M elements at 1B) gathered, its gradient in bf16 and fp32 and on its way
 # to NVMe, plus the reductions in flight (ZK_REDUCE_BUCKET).
 ALLOWANCE_GIB = 2.5
+# Weight shards a zerokit row with weights on NVMe reads ahead (offload_param.buffer_count; the
+# DeepSpeed row needs 16, see ds_config), each up to the embedding's size.
+ZK_PARAM_BUFFERS = 4
 ZK_SUB_GROUP = 10_000_000  # 4 buffer sets x (master, gradient, 2 moments) x 40 MB = 640 MB
 # Elements per reduce bucket for zerokit rows: two buckets of fp32 gradients may be in flight
 # (engine._max_pending_bytes), 4 GB at DeepSpeed's default 5e8; 5e7 keeps that at 400 MB.
@@ -197,8 +201,9 @@ def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = Fal
     if weights_in_ram or 2 * n <= left:
         param = {"device": "cpu", "pin_memory": False}
         left -= 2 * n
-    else:
-        param = {"max_in_cpu": left // 2}
+    else:  # the read-ahead buffers first (and the shard a gather reads now), then whole shards
+        left = max(0, left - (ZK_PARAM_BUFFERS + 1) * 2 * VOCAB * MODELS[model][1])
+        param = {"max_in_cpu": left // 2, "buffer_count": ZK_PARAM_BUFFERS}
         left = 0
     if delayed:  # the NVMe elements' 16-bit output: at most every element's
         left -= 2 * n
@@ -231,7 +236,9 @@ def _build(lib, cfg: dict, model: str):
 
     torch.manual_seed(1234)
     remote = cfg["zero_optimization"]["offload_param"]["device"]
-    with lib.zero.Init(config_dict_or_path=cfg, remote_device=remote):
+    # bf16 shards while building, on both sides (DeepSpeed's default with bf16 on; zerokit's
+    # default keeps the fp32 values the model builds, 4 bytes per parameter until initialize)
+    with lib.zero.Init(config_dict_or_path=cfg, remote_device=remote, dtype=torch.bfloat16):
         return GPT(_gpt_config(model))
 
 
