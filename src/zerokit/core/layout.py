@@ -29,7 +29,8 @@ host part's length, `r` = this rank's shard):
                  [a, a + h) is the host part above (h: the max_in_cpu budget), [a + h, a + k)
                  the nvme part: nvme_master and nvme_grad0 (and nvme_grad1 with the delayed
                  update; none with step_in_backward) fp32 on the nvme tier, nvme_out
-                 compute dtype on the host (offload_param, no delay: the host shard)
+                 compute dtype on the host (offload_param, no delay: the host shard; none
+                 where the shard is on NVMe: the stream writes the new weights to its file)
 The host part's optimizer state is allocated when the optimizer is known (HostPart.init_state),
 through the same host tier, so the ledger counts it as allocated too.
 """
@@ -236,7 +237,9 @@ def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     # stepped in backward, the gradient is held in host memory until stepped (no file).
     grads = [BufferRecord(f"nvme_grad{i}", "grads", "nvme", f32, lo, hi)
              for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1)]
-    return [BufferRecord("nvme_master", "master", "nvme", f32, lo, hi), *grads,
-            # the step's new weights, written back to the weights' home after the stream
-            BufferRecord("nvme_out", "buffers", "host", compute_dtype, lo, hi, pinned=pin,
-                         alias_of="shard" if in_place else None)]
+    records = [BufferRecord("nvme_master", "master", "nvme", f32, lo, hi), *grads]
+    if shard_tier != "nvme":  # the step's new weights, written back to the weights' home after
+        # the stream (a shard on NVMe: the stream writes them to its file a sub-group at a time)
+        records.append(BufferRecord("nvme_out", "buffers", "host", compute_dtype, lo, hi,
+                                    pinned=pin, alias_of="shard" if in_place else None))
+    return records

@@ -15,6 +15,7 @@ import torch
 
 from zerokit.core.layout import OptimizerPart
 from zerokit.core.held_gradient import host_buffer
+from zerokit.core.nvme_shard import FileHome
 from zerokit.core.parts import STATE_NAMES, HostPart
 from zerokit.io.aio import wait_all
 from zerokit.optim import host as host_kernels
@@ -138,6 +139,10 @@ class NvmePart(HostPart):
         # one gradient file, two with the delayed update (the stream reads one, backward writes
         # the other; HostPart.swap_grads flips `current`); none with step_in_backward: held
         self.gradients = [FileGradient(nvme, g) for g in self.grads] if self.grads else [self.held]
+        # A weight shard on NVMe (offload_param device 'nvme'): no 16-bit copy of the part in RAM;
+        # the stream writes each sub-group's new weights to the shard's file (`out_file`).
+        self.out_file = home.range if self.out16 is None and isinstance(home, FileHome) else None
+        self.streamed = False  # the running / last stream wrote the new weights to out_file
 
     # ---- gradients in: a file (see [Note: gradients on NVMe]) -----------------------------------
     @property
@@ -181,6 +186,15 @@ class NvmePart(HostPart):
         self.wait()  # a delayed stream may still write the file
         return read_range(self.nvme, self.master)
 
+    def write_weights(self) -> None:
+        if self.out_file is None:
+            return super().write_weights()
+        if self.streamed:  # the stream wrote them: only a read-ahead buffer may be stale now
+            self.streamed = False
+            self._home.written_elsewhere()
+        else:  # a load: the masters, rounded, to the file
+            self._home.copy_(self.master_values())
+
     def absorb(self, new: torch.Tensor) -> None:
         """Compute weights were edited: carry changed elements into the master file."""
         self.wait()
@@ -190,4 +204,7 @@ class NvmePart(HostPart):
         if bool(changed.any()):
             master[changed] = new[changed].float()
             self.nvme.write(self.master, master).wait()
-        self.out16[changed] = new[changed].to(self.out16.dtype)
+        if self.out16 is not None:
+            self.out16[changed] = new[changed].to(self.out16.dtype)
+        else:  # the file is the only 16-bit copy
+            self._home.copy_(new)

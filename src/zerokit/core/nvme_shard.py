@@ -51,6 +51,11 @@ class FileHome:
         self._shard.write(self.range, src)
         return self
 
+    def written_elsewhere(self) -> None:
+        """The file's elements were written without `copy_` (the NVMe stream): a buffer holding
+        the old values is stale."""
+        self._shard.drop_stale()
+
 
 class NvmeShard:
     """One unit's weight shard file and its host buffer (see [Note: weight shards on NVMe])."""
@@ -94,6 +99,13 @@ class NvmeShard:
                 raise
             self.residency = ShardResidency.RESIDENT
         return self.buffer
+
+    def drop_stale(self) -> None:
+        """Someone else wrote the file: the buffer's values (or a read in flight) are old."""
+        if self.residency is ShardResidency.READING:
+            self.ready()
+        if self.residency is ShardResidency.RESIDENT:
+            self._free()
 
     def drop_clean(self) -> None:
         """Free the buffer once a gather copied it (the file holds its values)."""

@@ -232,7 +232,7 @@ class Unit:
             self.parts.append(NvmePart(self, nvme, bufs, tiers["host"], tiers["nvme"],
                                        home[nvme.lo - home_lo:nvme.hi - home_lo],
                                        in_place=self.layout.aliases("nvme_out", "shard"),
-                                       pinned=self.layout.record("nvme_out").pinned))
+                                       pinned=self.layout.has("nvme_out") and self.layout.record("nvme_out").pinned))
         span = self.layout.parts[-1]
         self.master = nn.Parameter(bufs["master"], requires_grad=True)
         self.master_grad = bufs["master_grad"]

@@ -166,7 +166,8 @@ def _stream_settings(cfg) -> StreamSettings:
     off = cfg.zero_optimization.offload_optimizer
     return StreamSettings(cfg.zero_optimization.sub_group_size, off.buffer_count,
                           off.pipeline_read, off.pipeline_write,
-                          gradients_in_files=not off.step_in_backward)
+                          gradients_in_files=not off.step_in_backward,
+                          weights_in_files=cfg.zero_optimization.offload_param.device == "nvme")
 
 
 def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None,

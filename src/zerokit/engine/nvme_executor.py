@@ -10,7 +10,9 @@ sub-group i:
             leaving one set for the write of i - 1), or i is read now (no pipeline_read)
     update  the fused host kernel (the one HostExecutor runs: engine/executors.py kernel_for)
             on the set's master, state and gradient, writing the new weights
-            into the part's `out16` slice (for fp32 compute, a copy of the new master)
+            into the part's `out16` slice (for fp32 compute, a copy of the new master); where
+            the unit's weight shard is a file, into the set's own 16-bit buffer, written to that
+            file with the rest of the sub-group (no 16-bit copy of the part stays in RAM)
     write   master and state go back to their file ranges; waited when the set is needed again
             (pipeline_write) or at once
 The kernel and the arithmetic are those of the host part, so a run with the optimizer on NVMe gives
@@ -48,6 +50,7 @@ class StreamSettings:
     pipeline_read: bool = False
     pipeline_write: bool = False
     gradients_in_files: bool = True  # False with step_in_backward: held in host memory instead
+    weights_in_files: bool = False  # offload_param device 'nvme': new 16-bit weights go to files
 
     @property
     def read_ahead(self) -> int:
@@ -69,17 +72,21 @@ class _View:
 
 
 class _BufferSet:
-    def __init__(self, numel: int, names: tuple[str, ...], with_grad: bool):
+    def __init__(self, numel: int, names: tuple[str, ...], with_grad: bool,
+                 out_dtype: torch.dtype | None):
         self.master = host_buffer(numel)
         # read only, never written back; none where the kernel reads a held gradient
         self.grad = host_buffer(numel) if with_grad else None
+        # a sub-group's new 16-bit weights on their way to a shard file (weights on NVMe)
+        self.out16 = host_buffer(numel, out_dtype) if out_dtype is not None else None
         self.state = {k: host_buffer(numel) for k in names}
         self.reads: list[NvmeHandle] = []
         self.writes: list[NvmeHandle] = []
 
     @property
     def nbytes(self) -> int:
-        return (1 + (self.grad is not None) + len(self.state)) * self.master.numel() * 4
+        out = 0 if self.out16 is None else self.out16.numel() * self.out16.element_size()
+        return (1 + (self.grad is not None) + len(self.state)) * self.master.numel() * 4 + out
 
     def wait_writes(self) -> None:
         """Every write of the set has ended when this returns, the first failure raised after:
@@ -131,8 +138,11 @@ class NvmeExecutor(HostExecutor):
     # ---- streaming ---------------------------------------------------------------------------
     def _buffer_sets(self, numel: int) -> list[_BufferSet]:
         if not self._sets or self._sets[0].master.numel() < numel:
-            self._sets = [_BufferSet(numel, STATE_NAMES[self.family], self.settings.gradients_in_files)
-                          for _ in range(self.settings.buffer_count)]
+            # 16-bit weights to files: the shard files' dtype (fp32 compute writes the master)
+            out = next((p.out_file.dtype for p in self.parts if p.out_file is not None
+                        and p.out_file.dtype != torch.float32), None)
+            self._sets = [_BufferSet(numel, STATE_NAMES[self.family], self.settings.gradients_in_files,
+                                     out) for _ in range(self.settings.buffer_count)]
             self.ledger.hold_bytes("nvme_executor/buffer_sets", "buffers", "host",
                                    sum(b.nbytes for b in self._sets))
         return self._sets
@@ -184,6 +194,10 @@ class NvmeExecutor(HostExecutor):
             self._update(s, lo, n, b, groups[s.group], coef)
             b.writes = [self.nvme.write(s.master.narrow(lo, n), b.master[:n])]
             b.writes += [self.nvme.write(s.state[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
+            if s.out_file is not None:  # the new weights straight to the shard's file
+                new = b.master if s.out_file.dtype == torch.float32 else b.out16
+                b.writes.append(self.nvme.write(s.out_file.narrow(lo, n), new[:n]))
+                s.streamed = True
             if not self.settings.pipeline_write:
                 b.wait_writes()
             if lo + n == s.numel:  # the part's last sub-group: its held gradient is spent
@@ -196,13 +210,16 @@ class NvmeExecutor(HostExecutor):
 
     def _update(self, s: NvmePart, lo: int, n: int, b: _BufferSet, group: dict,
                 coef: float) -> None:
-        out = s.out16[lo:lo + n]
-        sixteen = out.dtype != torch.float32
+        if s.out16 is not None:
+            out = s.out16[lo:lo + n]
+        else:  # weights on NVMe: the set's buffer, written to the file after (None: fp32)
+            out = b.out16[:n] if b.out16 is not None else None
+        sixteen = out is not None and out.dtype != torch.float32
         held = s.grad_in_flight if isinstance(s.grad_in_flight, HeldGradient) else None
         view = _View(b.master[:n], held.values(lo, n) if held is not None else b.grad[:n],
                      {k: v[:n] for k, v in b.state.items()}, out if sixteen else None, s.steps)
         self._step_fn(view, group, coef)
-        if not sixteen:  # fp32 compute: the new weights are the new master
+        if out is not None and not sixteen:  # fp32 compute: the new weights are the new master
             out.copy_(view.master)
 
     def _drain(self) -> None:
@@ -219,5 +236,5 @@ def buffer_set_bytes(settings: StreamSettings, family: str | None, largest_part:
     """Host bytes of the stream's buffer sets: buffer_count x (master + gradient + state) x a
     sub-group (no gradient where gradients are held, not in files)."""
     states = len(STATE_NAMES.get(family or "adam", ("a", "b")))
-    tensors = 1 + settings.gradients_in_files + states
-    return settings.buffer_count * tensors * 4 * min(settings.sub_group_size, largest_part)
+    per_element = 4 * (1 + settings.gradients_in_files + states) + 2 * settings.weights_in_files
+    return settings.buffer_count * per_element * min(settings.sub_group_size, largest_part)
