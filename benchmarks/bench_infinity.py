@@ -28,8 +28,9 @@ overlaps backward and moves 12 bytes per element each way instead of 16.
 A host budget becomes zerokit's own keys (`budget_keys`): the 16-bit weights stay in host memory
 if they fit (offload_param cpu; else NVMe with offload_param.max_in_cpu of them in RAM), then
 offload_optimizer.max_in_cpu keeps as many optimizer elements (16 B each: master, gradient, two
-moments) in RAM as the rest allows, after a fixed allowance for the process, activations and the
-stream's buffers; with weights on NVMe, ZK_PARAM_BUFFERS read-ahead buffers of the largest shard
+moments; 12 stepping in backward) in RAM as the rest allows, after an allowance for the process,
+activations, the largest unit's transient buffers and the stream's (`allowance_gib`), and the held
+gradients' pool when stepping in backward; with weights on NVMe, ZK_PARAM_BUFFERS read-ahead buffers of the largest shard
 come off the budget first. Both sides build the model in bf16 (zero.Init dtype).
 
 Measured outside the libraries under test: step time (wall clock around forward+backward+step),
@@ -73,10 +74,12 @@ ROWS = {
     "zk-inf-ds-dpu": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS, delayed update"),
 }
 # What a zerokit row's process holds besides the budgeted states: the interpreter and torch
-# (~0.4 GiB), the stream's buffer sets (below), and in backward the largest unit (the untied
-# embedding + head, 115M elements at 1B) gathered, its gradient in bf16 and fp32 and on its way
-# to NVMe, plus the reductions in flight (ZK_REDUCE_BUCKET).
-ALLOWANCE_GIB = 2.5
+# (~0.4 GiB), the stream's buffer sets (below), activations, allocator slack, and in backward the
+# largest unit (the embedding or the head) gathered (2 B per element), its gradient in bf16 and
+# fp32 and its reduced shard (4 + 2 + 4 B), plus the reductions in flight (ZK_REDUCE_BUCKET).
+# Fitted to the RSS measured at 1B and 3B (both within 0.3 GiB of their budget).
+def allowance_gib(model: str) -> float:
+    return 2.0 + 12 * VOCAB * MODELS[model][1] / GiB
 # Weight shards a zerokit row with weights on NVMe reads ahead (offload_param.buffer_count; the
 # DeepSpeed row needs 16, see ds_config), each up to the embedding's size.
 ZK_PARAM_BUFFERS = 4
@@ -195,7 +198,7 @@ def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = Fal
     if budget_gib is None:
         left = 2 * n if weights_in_ram else 0
     else:
-        left = max(0, int((budget_gib - ALLOWANCE_GIB) * GiB))
+        left = max(0, int((budget_gib - allowance_gib(model)) * GiB))
         if step_in_backward:  # gradients held until stepped: HELD_PARTS + 1 of the largest unit
             left = max(0, left - 3 * 4 * VOCAB * MODELS[model][1])
     if weights_in_ram or 2 * n <= left:
