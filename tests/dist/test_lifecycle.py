@@ -29,6 +29,8 @@ OFFLOAD = {"device": "cpu", "ratio": 0.5, "delayed_update": {"enabled": True, "w
 CASES = {
     "stage2": {"stage": 2},
     "stage2-offload-delayed": {"stage": 2, "offload_optimizer": OFFLOAD},
+    "stage2-offload-step-in-backward": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "ratio": 0.5, "step_in_backward": True}},
     "stage3": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "stage3-init-offload": {"stage": 3, "stage3_param_persistence_threshold": 0,
                             "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},

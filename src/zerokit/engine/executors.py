@@ -187,13 +187,17 @@ class WorkerDone:
     for a step() that this thread would have to call."""
 
     def __init__(self, feed: PartFeed):
-        self._feed, self._event = feed, threading.Event()
+        self._feed: PartFeed | None = feed
+        self._event = threading.Event()
 
     def set(self) -> None:
         self._event.set()
+        self._feed = None  # the parts hold us (`busy`) and the feed holds them: no cycle
 
     def wait(self) -> None:
-        self._feed.close()
+        feed = self._feed
+        if feed is not None:
+            feed.close()
         self._event.wait()
 
 
