@@ -22,7 +22,7 @@ STEPS, MICRO = 3, 2
 LR = 1e-3
 
 
-def _config(stage, dtype, device, path, *, step_in_backward=True, opt="AdamW", extra=None):
+def _config(stage, dtype, device, path, *, step_in_backward=True, opt="AdamW", extra=None, lr=LR):
     zero = {"stage": stage, "reduce_bucket_size": 2000, "sub_group_size": 1000}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0)
@@ -34,7 +34,7 @@ def _config(stage, dtype, device, path, *, step_in_backward=True, opt="AdamW", e
            "zero_optimization": zero, "aio": {"block_size": 65536, "queue_depth": 4, "thread_count": 2}}
     # SGD's scale-sensitive step from Adam (the host kernels have no SGD): no moments and eps far
     # above |g|, so the step is ~ lr * g / eps, linear in the gradient.
-    cfg["optimizer"] = ({"type": "Adam", "params": {"lr": LR, "betas": [0.0, 0.0], "eps": 1e3}}
+    cfg["optimizer"] = ({"type": "Adam", "params": {"lr": lr, "betas": [0.0, 0.0], "eps": 1e3}}
                         if opt == "SGD" else
                         {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}})
     cfg.update(extra or {})
@@ -107,6 +107,27 @@ def test_step_in_backward_matches_torch(tmp_path, device):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-6, atol=1e-6)
         for name, w in ref.items():
             torch.testing.assert_close(r["weights"][name], w, rtol=1e-5, atol=LR * 1e-3, msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_step_in_backward_gradient_scale_matches_torch(tmp_path, device):
+    """Adam hides a gradient's scale; the SGD-like update (no moments, eps >> |g|) moves each
+    weight by ~lr * g / eps, so the updates themselves, compared with torch's relatively, catch a
+    gradient summed instead of averaged over ranks or landed twice."""
+    start = {k: v.detach().clone() for k, v in tiny_gpt().named_parameters()}
+    lr = 10.0  # updates ~1e-2 * g: well above the weights' fp32 resolution
+    _, ref = reference_train(tiny_gpt, lambda ps: torch.optim.Adam(ps, lr=lr, betas=(0.0, 0.0), eps=1e3),
+                             global_batches(STEPS, MICRO * 2))
+    cfg = _config(2, "fp32", device, str(tmp_path), opt="SGD", lr=lr)
+    # zerokit's config "Adam" is torch's AdamW, whose default weight_decay is 0.01 (DeepSpeed's
+    # FusedAdam: 0): set it, so the update is the gradient's alone
+    cfg["optimizer"]["params"]["weight_decay"] = 0.0
+    for r in run_world(_train, 2, cfg):
+        for name, w in ref.items():
+            moved, want = r["weights"][name] - start[name], w - start[name]
+            assert want.abs().max() > 0, name
+            torch.testing.assert_close(moved, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()),
+                                       msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("extra,words", [
