@@ -2,9 +2,11 @@
 
 [Note: streaming the optimizer]
 Each unit's nvme part (core/nvme_part.py) keeps its fp32 master, optimizer state and gradient in
-files and its new weights in host memory. The step cuts every stepped part into sub-groups of
-`sub_group_size` elements and streams them through `buffer_count` host buffer sets (a master, a
-gradient and one buffer per state tensor each): sub-group j uses set j % buffer_count. For
+files (the gradient held in host memory instead with step_in_backward, core/held_gradient.py) and
+its new weights in host memory (in its shard's file when that is on NVMe). The step cuts every
+stepped part into sub-groups of `sub_group_size` elements and streams them through `buffer_count`
+host buffer sets (a master, a gradient unless held, a 16-bit output when weights go to files, and
+one buffer per state tensor each): sub-group j uses set j % buffer_count. For
 sub-group i:
     read    i + 1 .. i + ahead are already being read (pipeline_read; ahead = buffer_count - 2,
             leaving one set for the write of i - 1), or i is read now (no pipeline_read)
