@@ -46,7 +46,7 @@ def _train(rank: int, world: int) -> dict:
 
 def test_hf_gpt2_trains_under_stage3_like_the_reference() -> None:
     model = _gpt2()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)  # DeepSpeed's AdamW default
     ref = []
     for x, _ in global_batches(STEPS, MICRO * 2):
         loss = model(input_ids=x, labels=x).loss

@@ -32,7 +32,7 @@ def _build_and_train(rank: int, world: int) -> dict:
 
 def test_init_builds_the_same_model_and_trains() -> None:
     plain = tiny_gpt()
-    ref_losses, ref_weights = reference_train(tiny_gpt, lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    ref_losses, ref_weights = reference_train(tiny_gpt, lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0),
                                               global_batches(3, 4))
     for r in run_world(_build_and_train, 2):
         assert r["shape_ok"]

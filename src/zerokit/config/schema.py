@@ -35,7 +35,7 @@ SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
 # Hyperparameters each optimizer type accepts (torch's names; DeepSpeed passes them through).
 OPTIMIZER_PARAMS: dict[str, set[str]] = {
     "Adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "fused"},
-    "AdamW": {"lr", "betas", "eps", "weight_decay", "amsgrad", "fused"},
+    "AdamW": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "fused"},
     "SGD": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
     "Adagrad": {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"},
     "Lion": {"lr", "betas", "weight_decay"},

@@ -40,10 +40,16 @@ def _normalize_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
 def _config_optimizer(cfg: OptimizerConfig) -> OptimizerFactory:
     params = dict(cfg.params)
     kind = cfg.type
-    if kind == "Adam":
-        # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its FusedAdam default).
-        kind = "AdamW" if params.pop("adam_w_mode", True) else "Adam"
-        params.pop("torch_adam", None)
+    if kind in ("Adam", "AdamW"):
+        # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its FusedAdam default); its
+        # "AdamW" is AdamW whatever adam_w_mode says.
+        adam_w_mode = params.pop("adam_w_mode", True)
+        kind = "AdamW" if kind == "AdamW" or adam_w_mode else "Adam"
+        if not params.pop("torch_adam", False):
+            # A config written for DeepSpeed gets its default decay: FusedAdam's and
+            # DeepSpeedCPUAdam's is 0, torch.optim.AdamW's 0.01 (DeepSpeed passes torch's own
+            # default through only with torch_adam).
+            params.setdefault("weight_decay", 0.0)
     if kind == "Lion":
         # torch's ops on any device; offloaded parts are stepped by the native host kernel, which
         # does the same arithmetic (engine/executors.py kernel_for).
