@@ -62,6 +62,20 @@ def peak_rss_mb() -> float:
     return ru / 1024.0 if sys.platform != "darwin" else ru / MB
 
 
+def take_rss_high_water_mb() -> float | None:
+    """The resident high-water mark since the last call (Linux VmHWM), then reset to the current
+    RSS (writing 5 to /proc/self/clear_refs), so each phase of a run gets its own peak; None where
+    the kernel does not offer it. ru_maxrss (peak_rss_mb) is not reset and stays the run's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, StopIteration, ValueError):
+        return None
+    return hwm / 1024.0
+
+
 def current_rss_mb() -> float:
     """This process's resident set size now, in MiB (psutil; falls back to /proc)."""
     try:

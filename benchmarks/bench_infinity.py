@@ -307,18 +307,22 @@ def run_worker(args) -> int:
         engine = setup_deepspeed(args, rec) if family == "deepspeed" else setup_zerokit(args, rec)
         rec["setup_s"] = C.now() - t0
         rec["rss_after_setup_mb"] = C.current_rss_mb()
+        rec["setup_peak_mb"] = C.take_rss_high_water_mb()
         g = torch.Generator().manual_seed(7)
         toks = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g) for _ in range(args.warmup + args.steps)]
-        steps, phases, reads, writes, losses = [], [], [], [], []
+        steps, phases, reads, writes, losses, peaks = [], [], [], [], [], []
         for i, t in enumerate(toks):
             r0, w0 = _io_counters()
             t0 = C.now()
             loss = engine(t[:, :-1].contiguous(), t[:, 1:].contiguous())
             t1 = C.now()
+            peak = [C.take_rss_high_water_mb()]  # RSS peaks by phase: where the memory goes
             engine.backward(loss)
             t2 = C.now()
+            peak.append(C.take_rss_high_water_mb())
             engine.step()
             dt = C.now() - t0
+            peaks.append(peak + [C.take_rss_high_water_mb(), C.current_rss_mb()])
             r1, w1 = _io_counters()
             losses.append(float(loss.detach().float()))
             if i >= args.warmup:
@@ -327,9 +331,11 @@ def run_worker(args) -> int:
                 reads.append(r1 - r0)
                 writes.append(w1 - w0)
             print(f"step {i}: {dt:.2f} s (forward {t1 - t0:.2f}, backward {t2 - t1:.2f}, step() "
-                  f"{t0 + dt - t2:.2f}), read {(r1 - r0) / GiB:.2f} GiB, wrote {(w1 - w0) / GiB:.2f} GiB",
+                  f"{t0 + dt - t2:.2f}), read {(r1 - r0) / GiB:.2f} GiB, wrote {(w1 - w0) / GiB:.2f} GiB, "
+                  f"RSS peaks MiB (forward, backward, step(), after) {[round(x or 0) for x in peaks[-1]]}",
                   flush=True)
-        rec.update(step_s=steps, phases_s=phases, read_bytes=reads, write_bytes=writes, losses=losses)
+        rec.update(step_s=steps, phases_s=phases, read_bytes=reads, write_bytes=writes, losses=losses,
+                   rss_peaks_mb=peaks)  # per step: forward, backward, step() peaks, RSS after
         report = getattr(engine, "memory_report", None)
         if family == "zerokit" and report is not None:
             rec["memory_report"] = str(report())
@@ -411,9 +417,19 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
                read_bytes_per_step=C.summarize(rec["read_bytes"])["median"],
                write_bytes_per_step=C.summarize(rec["write_bytes"])["median"],
                tokens_per_s=MICRO * SEQ / step["median"], memory_report=rec.get("memory_report"),
-               phases_s=rec.get("phases_s"))
+               phases_s=rec.get("phases_s"), setup_peak_mb=rec.get("setup_peak_mb"),
+               rss_peaks_mb=rec.get("rss_peaks_mb"))
     res["io_gb_s"] = (res["read_bytes_per_step"] + res["write_bytes_per_step"]) / step["median"] / 1e9
     return res
+
+
+def _note(r: dict) -> str:
+    """The budget, and the RSS peak of setup and of the timed steps apart (which one set the run's)."""
+    parts = [f"budget {r['budget_gib']:.1f} GiB"] if r["budget_gib"] else []
+    peaks = [max(x or 0 for x in p[:3]) for p in (r.get("rss_peaks_mb") or [])]
+    if r.get("setup_peak_mb") and peaks:
+        parts.append(f"peak setup {r['setup_peak_mb'] / 1024:.2f}, steps {max(peaks) / 1024:.2f} GiB")
+    return "; ".join(parts)
 
 
 def report(results: list[dict]) -> str:
@@ -430,7 +446,7 @@ def report(results: list[dict]) -> str:
                      C.fmt_num(C.ratio(r["tokens_per_s"], peer["tokens_per_s"]) if peer else None, ".2f", "x"),
                      C.fmt_num(r["peak_rss_mb"] / 1024, ".2f"), C.fmt_num(r["disk_peak_bytes"] / 1e9, ".1f"),
                      C.fmt_num(r["read_bytes_per_step"] / 1e9, ".2f"), C.fmt_num(r["write_bytes_per_step"] / 1e9, ".2f"),
-                     C.fmt_num(r["io_gb_s"], ".2f"), f"budget {r['budget_gib']:.1f} GiB" if r["budget_gib"] else ""])
+                     C.fmt_num(r["io_gb_s"], ".2f"), _note(r)])
     return C.format_table(headers, rows)
 
 

@@ -55,14 +55,19 @@ def _launch(save_dir: str, point: str, ranks: str, signals: int) -> list[tuple[i
     return out
 
 
-def _load(rank: int, world: int, save_dir: str) -> tuple[int, dict]:
+def _load(rank: int, world: int, save_dirs: list[str]) -> list[tuple[int, dict]]:
+    """Each checkpoint in a fresh engine, all in one world (a world per case costs a start-up)."""
     import zerokit
 
-    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
-    engine.load_checkpoint(save_dir)
-    return engine.global_steps, engine.consolidated_fp32_state_dict()
+    out = []
+    for save_dir in save_dirs:
+        engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config={
+            "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+        engine.load_checkpoint(save_dir)
+        out.append((engine.global_steps, engine.consolidated_fp32_state_dict()))
+        engine.destroy()
+    return out
 
 
 # (point, signalled ranks, the global step the world stops after). SIGTERM in forward or backward
@@ -77,6 +82,7 @@ def test_sigterm_at_each_point_saves_a_loadable_checkpoint_and_exits_75(tmp_path
 
     assert PREEMPTED_EXIT_CODE == 75  # documented: docs/robustness.md
     batches = global_batches(STEPS, MICRO * WORLD)
+    save_dirs = []
     for point, ranks, stop_after in CASES:
         save_dir = str(tmp_path / f"{point}-{ranks.replace(',', '')}")
         results = _launch(save_dir, point, ranks, 1)
@@ -85,9 +91,13 @@ def test_sigterm_at_each_point_saves_a_loadable_checkpoint_and_exits_75(tmp_path
             assert "FINISHED" not in text and f"STEP {stop_after - 1}" in text, text
         with open(os.path.join(save_dir, "latest")) as f:
             assert f.read().strip() == f"global_step{stop_after}", point
+        save_dirs.append(save_dir)
+    loaded = run_world(_load, WORLD, save_dirs)
+    for i, (point, ranks, stop_after) in enumerate(CASES):
         _, expected = reference_train(tiny_gpt, lambda p: torch.optim.SGD(p, lr=LR),
                                       batches[:stop_after])
-        for steps, state in run_world(_load, WORLD, save_dir):
+        for per_case in loaded:
+            steps, state = per_case[i]
             assert steps == stop_after, (point, steps)
             for name, ref in expected.items():
                 torch.testing.assert_close(state[name], ref, rtol=1e-5, atol=1e-6,
