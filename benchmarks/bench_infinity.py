@@ -299,7 +299,10 @@ def run_worker(args) -> int:
     out = Path(args.result)
 
     def dump():
-        rec["peak_rss_mb"] = C.peak_rss_mb()
+        # ru_maxrss follows the high-water mark that each phase resets: the run's peak is the
+        # largest of the phases' peaks
+        phase_peaks = [x for p in rec.get("rss_peaks_mb", []) for x in p[:3] if x]
+        rec["peak_rss_mb"] = max([C.peak_rss_mb(), rec.get("setup_peak_mb") or 0] + phase_peaks)
         out.write_text(json.dumps(rec, indent=1) + "\n")
 
     try:

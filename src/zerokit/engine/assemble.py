@@ -30,6 +30,7 @@ from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.schedulers import build_scheduler
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tiers import Ledger
+from zerokit.tiers.host_release import release_free_host_memory
 from zerokit.tiers.nvme import NvmeTier
 from zerokit.utils.logs import configure_logging
 from zerokit.zero import adopt_constructed, constructed_host_bytes, retire_constructed
@@ -129,6 +130,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
         engine.nvme_tier = nvme
         nvme.stats.reset()  # the first step's I/O count starts here, after the files were filled
     _configure_activation_checkpointing(cfg, ledger)
+    release_free_host_memory("initialize")  # what building and laying out the model freed
     report_startup(engine)
     dataloader = _dataloader(training_data, batch[1], comm, collate_fn)
     engine.training_dataloader = dataloader

@@ -33,6 +33,7 @@ from zerokit.engine.throughput import ThroughputTimer
 from zerokit.policy import PartitionPolicy
 from zerokit.schedule import schedule_for
 from zerokit.tiers import Ledger
+from zerokit.tiers.host_release import release_free_host_memory
 
 log = logging.getLogger("zerokit")
 
@@ -489,10 +490,12 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                         load_module_only: bool = False):
         from zerokit.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only)
+        loaded = load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                 load_optimizer_states=load_optimizer_states,
+                                 load_lr_scheduler_states=load_lr_scheduler_states,
+                                 load_module_only=load_module_only)
+        release_free_host_memory("load_checkpoint")  # the files' pieces read on the way
+        return loaded
 
     # ---- what a checkpoint sees: [Note: checkpoint interface] (checkpoint/interface.py) ---------
     def checkpoint_units(self) -> list[UnitRecord]:
