@@ -65,7 +65,8 @@ def peak_rss_mb() -> float:
 def take_rss_high_water_mb() -> float | None:
     """The resident high-water mark since the last call (Linux VmHWM), then reset to the current
     RSS (writing 5 to /proc/self/clear_refs), so each phase of a run gets its own peak; None where
-    the kernel does not offer it. ru_maxrss (peak_rss_mb) is not reset and stays the run's peak."""
+    the kernel does not offer it. The reset lowers ru_maxrss too (getrusage reads the same mark):
+    a caller that resets takes its run's peak as the largest of the phases' peaks."""
     try:
         with open("/proc/self/status") as f:
             hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
