@@ -25,12 +25,12 @@ from test_offload import _close
 STEPS, MICRO, LR = 3, 2, 1e-3
 
 
-def _config(dtype, param, opt, path, *, optimizer="AdamW", clip=1.0, extra=None) -> dict:
+def _config(dtype, param, opt, path, *, optimizer="AdamW", clip=1.0, extra=None, param_path=None) -> dict:
     zero = {"stage": 3, "reduce_bucket_size": 2000, "sub_group_size": 1000,
             "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
     zero["offload_optimizer"] = ({"device": "nvme", "nvme_path": path, "buffer_count": 3}
                                  if opt == "nvme" else {"device": opt})
-    zero["offload_param"] = ({"device": "nvme", "nvme_path": path, "buffer_count": 1, **(extra or {})}
+    zero["offload_param"] = ({"device": "nvme", "nvme_path": param_path or path, "buffer_count": 1, **(extra or {})}
                              if param == "nvme" else {"device": param})
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip,
            "bf16": {"enabled": dtype == "bf16"}, "zero_optimization": zero,
@@ -199,6 +199,45 @@ def test_weights_and_optimizer_on_nvme_keep_no_16bit_copy_in_ram(tmp_path):
     # host memory before the first step: the stream's buffer sets only (3 sets of 1000 elements)
     assert r["host_before"] < r["shard_bytes"], r
     assert r["io"]["bytes_written"] >= r["shard_bytes"], r
+
+
+def _two_paths_world(rank, world, root):
+    """The same run with one path, then with offload_param and offload_optimizer on two; where
+    the files are, read while they exist."""
+    one = _train(rank, world, _config("bf16", "nvme", "nvme", os.path.join(root, "one"),
+                                      optimizer="SGD", clip=0.0))
+    opt_dir, param_dir = os.path.join(root, "opt"), os.path.join(root, "param")
+    stale = os.path.join(param_dir, "zerokit-swap", f"rank{rank}")
+    os.makedirs(stale, exist_ok=True)
+    open(os.path.join(stale, "left_by_a_dead_run.swp"), "w").close()
+    import zerokit
+
+    cfg = _config("bf16", "nvme", "nvme", opt_dir, optimizer="SGD", clip=0.0, param_path=param_dir)
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    tier = engine.nvme_tier
+    where = {kind: sorted(os.listdir(os.path.join(d, "zerokit-swap", f"rank{rank}")))
+             for kind, d in (("opt", opt_dir), ("param", param_dir))}
+    engine.destroy()
+    two = _train(rank, world, cfg)
+    return {"one": one, "two": two, "where": where, "stale": tier.stale_files}
+
+
+def test_weights_and_optimizer_on_two_paths(tmp_path):
+    """offload_param and offload_optimizer may name different paths (two disks): the shards in
+    one, master and moments in the other, the same numbers as one path (SGD-like, scale-
+    sensitive), both directories cleaned at start (and said) and removed at the end."""
+    for root in ("one", "opt", "param"):
+        os.makedirs(tmp_path / root)
+    for r in run_world(_two_paths_world, 2, str(tmp_path)):
+        assert r["two"]["files"] == 3, r["two"]["files"]
+        assert r["two"]["losses"] == r["one"]["losses"]
+        _exact(r["two"]["weights"], r["one"]["weights"], "two paths")
+        assert r["where"]["param"] and all(f.endswith("_shard.swp") for f in r["where"]["param"]), r["where"]
+        assert r["where"]["opt"] and not any(f.endswith("_shard.swp") for f in r["where"]["opt"]), r["where"]
+        assert any("master" in f for f in r["where"]["opt"]), r["where"]
+        assert r["stale"] == ["left_by_a_dead_run.swp"], r["stale"]
+    for root in ("one", "opt", "param"):
+        assert not os.listdir(tmp_path / root), root
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

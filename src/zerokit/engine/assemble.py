@@ -86,8 +86,9 @@ def initialize(model: nn.Module, optimizer: Any = None,
     if freed:
         avail, source = avail + freed, f"{source}, with the {host_budget.size(freed)} of zero.Init shards initialize frees"
     host_budget.check_host_memory(need, placement, available=(avail, source))
-    nvme = NvmeTier(ledger, on_nvme, rank=comm.rank,
-                    config=cfg.aio.engine_config()) if on_nvme else None
+    # one tier (one I/O engine, one count) whose weight shards go to offload_param's path
+    nvme = NvmeTier(ledger, on_nvme[0], rank=comm.rank, config=cfg.aio.engine_config(),
+                    weights_directory=on_nvme[-1]) if on_nvme else None
     units = []
     for (name, module, group, trainable, params), layout in zip(groups, layouts):
         # Weights built under zero.Init are sharded per module: gather them (one unit's worth)
@@ -174,34 +175,38 @@ def _stream_settings(cfg) -> StreamSettings:
 
 def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None,
                 need: host_budget.HostNeed) -> str | None:
-    """offload_optimizer / offload_param device 'nvme': the path checked against the plan
-    (nvme_plan.py) and the host buffers added to the host need. Returns the path, or None when
-    nothing is on NVMe."""
+    """offload_optimizer / offload_param device 'nvme': each path checked against what the plan
+    puts there (nvme_plan.py) and the host buffers added to the host need. Returns the paths in
+    use, the optimizer's first ([] when nothing is on NVMe)."""
     zero = cfg.zero_optimization
     largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
     paths = []
     if largest:
         nvme_plan.check_nvme_path(zero.offload_optimizer.nvme_path, nvme_plan.nvme_need(layouts, kind)
-                                  + (nvme_plan.weight_need(layouts) if shards and
-                                     zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path
+                                  + (nvme_plan.weight_need(layouts) if shards and _same_disk(
+                                      zero.offload_param.nvme_path, zero.offload_optimizer.nvme_path)
                                      else 0))
         need.buffers += buffer_set_bytes(_stream_settings(cfg), kind, largest)
         paths.append(zero.offload_optimizer.nvme_path)
     if shards:
-        if paths and os.path.realpath(paths[0]) != os.path.realpath(zero.offload_param.nvme_path):
-            raise NotImplementedError(
-                f"offload_param.nvme_path {zero.offload_param.nvme_path!r} and "
-                f"offload_optimizer.nvme_path {paths[0]!r} differ: one swap directory per run is "
-                f"implemented (issue #16); give both the same path")
         nvme_plan.check_nvme_path(zero.offload_param.nvme_path, nvme_plan.weight_need(layouts),
                                   section="offload_param", what="16-bit weight shards on NVMe")
         # the shards read ahead (buffer_count) and the one a gather reads now
         largest_shard = max(min(r.numel, placement.param_buffer_size) for r in shards)
         element = torch.empty(0, dtype=shards[0].dtype).element_size()
         need.buffers += (placement.param_buffer_count + 1) * largest_shard * element
-        paths = paths or [zero.offload_param.nvme_path]
-    return paths[0] if paths else None
+        paths.append(zero.offload_param.nvme_path)
+    return paths
+
+
+def _same_disk(a: str, b: str) -> bool:
+    """Whether two paths share a filesystem (and so its free space); a missing path is refused
+    by its own check."""
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
 
 
 def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledger: Ledger,

@@ -14,8 +14,11 @@ and offset (a deleted file: "opening"; a truncated one: "short file"). A `FileRa
 
 One file per owner, starting at offset 0, so a host buffer from `io.buffers.aligned_empty` moves
 by O_DIRECT without staging (see [Note: file residue] in io/aio.py). Files live in
-`<nvme_path>/zerokit-swap/rank<r>/`; a directory left there by a run that died is removed when
-the tier starts, and said (`stale_files`); `close()` removes this rank's directory.
+`<nvme_path>/zerokit-swap/rank<r>/`; the 16-bit weight shards (kind "weights") in
+`<weights_path>/zerokit-swap/rank<r>/` where offload_param names another path than
+offload_optimizer (another disk: both read at once). A directory left there by a run that died is
+removed when the tier starts, and said (`stale_files`); `close()` removes this rank's
+directories.
 
 `stats` counts the bytes read and written, the time callers were blocked in `wait()`, and the
 wall time from the first submission to the last completion since `stats.reset()`: the per-step
@@ -153,23 +156,31 @@ class NvmeTier:
     name = "nvme"
 
     def __init__(self, ledger: Ledger, directory: str, *, rank: int = 0,
-                 config: AioConfig | None = None, backend: str = "auto"):
+                 config: AioConfig | None = None, backend: str = "auto",
+                 weights_directory: str | None = None):
         self.ledger = ledger
         self.root = os.path.abspath(os.fspath(directory))
         self.directory = os.path.join(self.root, SWAP_DIR, f"rank{rank}")
-        self.stale_files = _clean_stale(self.directory)
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-        except OSError as e:
-            raise AioError(e.errno, "creating the swap directory", self.directory) from None
+        weights_root = os.path.abspath(os.fspath(weights_directory or directory))
+        self.weights_directory = (
+            self.directory if os.path.realpath(weights_root) == os.path.realpath(self.root)
+            else os.path.join(weights_root, SWAP_DIR, f"rank{rank}"))
+        self.directories = list(dict.fromkeys([self.directory, self.weights_directory]))
+        self.stale_files = [f for d in self.directories for f in _clean_stale(d)]
+        for d in self.directories:
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise AioError(e.errno, "creating the swap directory", d) from None
         self.aio = AsyncIO(config, backend=backend)
         self.stats = IOStats()
         self._ranges: dict[str, FileRange] = {}
         self._closed = False
 
-    def path_for(self, owner: str) -> str:
+    def path_for(self, owner: str, kind: str | None = None) -> str:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", owner)[:120]
-        return os.path.join(self.directory, f"{safe}.swp")
+        directory = self.weights_directory if kind == "weights" else self.directory
+        return os.path.join(directory, f"{safe}.swp")
 
     # ---- allocate / free ---------------------------------------------------------------------
     def allocate(self, owner: str, kind: str, numel: int, dtype: torch.dtype, *,
@@ -181,7 +192,7 @@ class NvmeTier:
             raise RuntimeError(f"NvmeTier at {self.directory!r} is closed")
         if owner in self._ranges:
             raise ValueError(f"nvme tier: {owner!r} is allocated already ({self._ranges[owner].path})")
-        rng = FileRange(owner, self.path_for(owner), 0, numel, dtype)
+        rng = FileRange(owner, self.path_for(owner, kind), 0, numel, dtype)
         _reserve(rng.path, rng.nbytes)
         self._ranges[owner] = rng
         self.ledger.hold_bytes(owner, kind, self.name, rng.nbytes)
@@ -249,11 +260,12 @@ class NvmeTier:
         finally:
             for owner in list(self._ranges):
                 self.free(owner)
-            shutil.rmtree(self.directory, ignore_errors=True)
-            try:  # the shared parent goes when the last rank leaves it
-                os.rmdir(os.path.dirname(self.directory))
-            except OSError:
-                pass
+            for directory in self.directories:
+                shutil.rmtree(directory, ignore_errors=True)
+                try:  # the shared parent goes when the last rank leaves it
+                    os.rmdir(os.path.dirname(directory))
+                except OSError:
+                    pass
 
 
 def _reserve(path: str, nbytes: int) -> None:
