@@ -151,7 +151,8 @@ class NvmeHandle:
 
 
 class NvmeTier:
-    """File ranges under `directory`/zerokit-swap/rank<rank>, counted in the ledger's nvme tier."""
+    """File ranges under `directory`/zerokit-swap/rank<rank> (weight shards under
+    `weights_directory`'s where given), counted in the ledger's nvme tier."""
 
     name = "nvme"
 
