@@ -174,7 +174,7 @@ def _stream_settings(cfg) -> StreamSettings:
 
 
 def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None,
-                need: host_budget.HostNeed) -> str | None:
+                need: host_budget.HostNeed) -> list[str]:
     """offload_optimizer / offload_param device 'nvme': each path checked against what the plan
     puts there (nvme_plan.py) and the host buffers added to the host need. Returns the paths in
     use, the optimizer's first ([] when nothing is on NVMe)."""
