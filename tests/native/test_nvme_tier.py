@@ -120,3 +120,28 @@ def test_file_gradient_accumulates_zero_fills_and_norms_like_a_tensor(tier, monk
     want[500:510] = 1
     assert torch.equal(read_range(tier, rng), want)
     assert grad.sq_norm() == 10.0
+
+
+def test_opening_while_another_rank_leaves_the_shared_directory(tmp_path):
+    # A rank closing its tier removes the shared zerokit-swap directory once it is empty; a
+    # rank opening its own at that moment must not fail with "No such file or directory".
+    import threading
+
+    parent = tmp_path / SWAP_DIR
+    stop = threading.Event()
+
+    def other_rank_leaving():
+        while not stop.is_set():
+            try:
+                os.rmdir(parent)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=other_rank_leaving)
+    t.start()
+    try:
+        for _ in range(40):
+            NvmeTier(Ledger(), str(tmp_path), rank=0, config=CFG).close()
+    finally:
+        stop.set()
+        t.join()

@@ -169,10 +169,7 @@ class NvmeTier:
         self.directories = list(dict.fromkeys([self.directory, self.weights_directory]))
         self.stale_files = [f for d in self.directories for f in _clean_stale(d)]
         for d in self.directories:
-            try:
-                os.makedirs(d, exist_ok=True)
-            except OSError as e:
-                raise AioError(e.errno, "creating the swap directory", d) from None
+            _make_rank_directory(d)
         self.aio = AsyncIO(config, backend=backend)
         self.stats = IOStats()
         self._ranges: dict[str, FileRange] = {}
@@ -285,6 +282,21 @@ def _reserve(path: str, nbytes: int) -> None:
                 os.ftruncate(fd, nbytes)
     finally:
         os.close(fd)
+
+
+def _make_rank_directory(directory: str, attempts: int = 100) -> None:
+    """os.makedirs, retried where the shared parent vanished between its steps: another rank
+    closing its tier removes that parent once it is empty (NvmeTier.close). Once this rank's
+    directory exists the parent is not empty, so a few tries always win."""
+    for attempt in range(attempts):
+        try:
+            os.makedirs(directory, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise AioError(errno.ENOENT, "creating the swap directory", directory) from None
+        except OSError as e:
+            raise AioError(e.errno, "creating the swap directory", directory) from None
 
 
 def _clean_stale(directory: str) -> list[str]:

@@ -11,9 +11,9 @@
 
 namespace zk_aio {
 
-bool Request::failed() {
+bool Request::failed_before(int64_t off) {
   std::lock_guard<std::mutex> g(mu);
-  return result.err != 0;
+  return result.err != 0 && result.err_offset < off;
 }
 
 void Request::finish_block(int err, int64_t off, int64_t got, int64_t bytes) {
@@ -157,7 +157,7 @@ int64_t write_staged(const Block& b, char* bounce) {
 
 void run_block_sync(const Block& b, char* bounce) {
   Request& r = *b.req;
-  if (r.failed()) return r.finish_block(0, b.off, 0, 0);  // spend no disk time on a lost cause
+  if (r.failed_before(b.off)) return r.finish_block(0, b.off, 0, 0);  // spend no disk time on a lost cause
   bool staged = r.direct && !b.direct_ready();
   if (r.write) {
     checksum_before_write(b);

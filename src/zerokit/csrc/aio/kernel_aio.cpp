@@ -80,7 +80,7 @@ int KernelAio::fill_slots(std::vector<int>& free_slots, std::vector<struct iocb*
   }
   for (auto& b : taken) {
     Request& r = *b.req;
-    if (r.failed()) {  // spend no disk time on a request that already failed
+    if (r.failed_before(b.off)) {  // spend no disk time on a request that already failed
       r.finish_block(0, b.off, 0, 0);
       skipped = true;
       continue;

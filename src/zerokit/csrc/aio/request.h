@@ -44,8 +44,9 @@ struct Request {
   bool finished = false;
   Result result;
 
-  // Whether a block already failed: the remaining blocks then skip their I/O.
-  bool failed();
+  // Whether a block before file offset `off` already failed: a block after it then skips its
+  // I/O (the report names the first failing block, so blocks before it must still run).
+  bool failed_before(int64_t off);
   // Accounts one block (err 0 = success); the last one runs fsync and wakes the waiters.
   void finish_block(int err, int64_t off, int64_t got, int64_t bytes);
 };
