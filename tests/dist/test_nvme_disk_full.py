@@ -5,6 +5,7 @@ worker (nvme_disk_full_worker.py) runs inside it."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def test_disk_full_mid_run_fails_the_save_cleanly_and_training_stays_exact(tmp_p
 def test_disk_full_on_sparse_swap_files_fails_the_step_naming_the_file(tmp_path) -> None:
     seen = _run(tmp_path, "sparse")
     assert "No space left on device" in seen["step_error"], seen
-    assert "zerokit-swap/rank0/" in seen["step_error"] and ".swp" in seen["step_error"], seen
+    assert re.search(r"zerokit-swap/rank0-\d+-[0-9a-f]+/\S+\.swp", seen["step_error"]), seen
     # The optimizer state in the files may be half written: no later step may build on it.
     assert "cannot train on" in seen["after_error"] and "load the last checkpoint" in seen["after_error"]
     _equal_to_reference(seen["resumed"], _expected(), "resumed from the last good checkpoint")

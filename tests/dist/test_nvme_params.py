@@ -215,8 +215,10 @@ def _two_paths_world(rank, world, root):
     cfg = _config("bf16", "nvme", "nvme", opt_dir, optimizer="SGD", clip=0.0, param_path=param_dir)
     engine, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
     tier = engine.nvme_tier
-    where = {kind: sorted(os.listdir(os.path.join(d, "zerokit-swap", f"rank{rank}")))
-             for kind, d in (("opt", opt_dir), ("param", param_dir))}
+    where = {kind: sorted(os.listdir(d)) for kind, d in (("opt", tier.directory),
+                                                         ("param", tier.weights_directory))}
+    assert [os.path.dirname(d) for d in tier.directories] == [
+        os.path.join(d, "zerokit-swap") for d in (opt_dir, param_dir)], tier.directories
     engine.destroy()
     two = _train(rank, world, cfg)
     return {"one": one, "two": two, "where": where, "stale": tier.stale_files}
@@ -240,6 +242,39 @@ def test_weights_and_optimizer_on_two_paths(tmp_path):
         assert not os.listdir(tmp_path / root), root
 
 
+def _initialize_again_world(rank, world, path):
+    """A notebook's cell run twice: a second engine on the same nvme_path while the first is
+    still referenced, then the first dropped (its finalizer closes its tier), then training."""
+    import gc
+
+    import zerokit
+
+    cfg = _config("bf16", "nvme", "nvme", path, optimizer="SGD", clip=0.0)
+    batches = global_batches(STEPS, MICRO * world)
+
+    def run(engine):
+        losses = engine_train(engine, batches, rank, world)
+        weights = engine.consolidated_fp32_state_dict()
+        engine.destroy()
+        return losses, weights
+
+    fresh = run(zerokit.initialize(model=tiny_gpt(), config=cfg)[0])
+    old, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    engine_train(old, batches[:1], rank, world)
+    new, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    del old
+    gc.collect()
+    return fresh, run(new)
+
+
+def test_initialize_again_on_the_same_path_while_the_old_engine_lives(tmp_path):
+    for (fresh_losses, fresh_weights), (losses, weights) in run_world(
+            _initialize_again_world, 2, str(tmp_path)):
+        assert losses == fresh_losses
+        _exact(weights, fresh_weights, "second engine")
+    assert not os.listdir(tmp_path)
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------
 def test_checkpoint_resume_and_placement_moves(tmp_path):
     (tmp_path / "swap").mkdir()
@@ -260,7 +295,8 @@ def _init_world(rank, world, path):
     with zerokit.zero.Init(config=cfg, remote_device="nvme") as init:
         model = tiny_gpt()
     on_disk = init.ledger.bytes(tier="nvme", kind="weights")
-    files = os.listdir(os.path.join(path, INIT_DIR, "zerokit-swap", f"rank{rank}"))
+    assert init.nvme.root == os.path.join(path, INIT_DIR)
+    files = os.listdir(init.nvme.directory)
     built = _train(rank, world, cfg, model=model)
     return plain, built, on_disk, files
 

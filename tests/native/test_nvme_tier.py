@@ -69,14 +69,89 @@ def test_faults_name_the_file(tier):
 
 
 def test_stale_files_cleaned_and_close_removes(tmp_path):
-    d = tmp_path / SWAP_DIR / "rank0"
+    d = tmp_path / SWAP_DIR / "rank0"  # the layout before swap directory claims
     d.mkdir(parents=True)
     (d / "old.swp").write_bytes(b"x" * 10)
+    other_rank = tmp_path / SWAP_DIR / "rank1"
+    other_rank.mkdir()
+    (other_rank / "theirs.swp").write_bytes(b"x")
     t = NvmeTier(Ledger(), str(tmp_path), config=CFG)
-    assert t.stale_files == ["old.swp"] and not (d / "old.swp").exists()
+    assert t.stale_files == ["old.swp"] and not d.exists()
+    assert (other_rank / "theirs.swp").exists(), "another rank's files are its own to clean"
     t.allocate("a", "master", 10, torch.float32)
     t.close()
-    assert not d.exists() and t.ledger.bytes("nvme") == 0
+    assert not os.path.exists(t.directory) and t.ledger.bytes("nvme") == 0
+    assert sorted(os.listdir(tmp_path / SWAP_DIR)) == ["rank1"]
+
+
+def _tier_in_a_process(root, then):
+    """A child process that opens a tier at `root`, writes one file, prints its path, then
+    exits without closing (then="die") or waits for a line on stdin and closes (then="wait")."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+from zerokit.io import AioConfig
+from zerokit.tiers import Ledger
+from zerokit.tiers.nvme import NvmeTier
+t = NvmeTier(Ledger(), {str(root)!r}, config=AioConfig(block_size=16384, queue_depth=4))
+r = t.allocate("theirs", "master", 100, torch.float32)
+print(r.path, flush=True)
+if {then!r} == "die":
+    import os; os._exit(0)
+sys.stdin.readline()
+t.close()
+"""
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    path = p.stdout.readline().strip()
+    assert path, "the child process did not start its tier"
+    return p, path
+
+
+def test_a_dead_runs_directory_is_cleaned_and_said(tmp_path):
+    p, path = _tier_in_a_process(tmp_path, "die")
+    p.wait()
+    assert os.path.exists(path)
+    t = NvmeTier(Ledger(), str(tmp_path), config=CFG)
+    assert t.stale_files == [os.path.basename(path)]
+    assert not os.path.exists(os.path.dirname(path)) and not os.path.exists(os.path.dirname(path) + ".lock")
+    t.close()
+    assert not (tmp_path / SWAP_DIR).exists()
+
+
+def test_a_live_run_in_another_process_keeps_its_files(tmp_path):
+    p, path = _tier_in_a_process(tmp_path, "wait")
+    try:
+        t = NvmeTier(Ledger(), str(tmp_path), config=CFG)
+        assert t.stale_files == [] and os.path.exists(path)
+        assert t.directory != os.path.dirname(path)
+        t.close()
+        assert os.path.exists(path), "closing one tier removed another's files"
+    finally:
+        p.communicate("\n", timeout=60)
+    assert p.returncode == 0 and not (tmp_path / SWAP_DIR).exists()
+
+
+def test_two_live_tiers_on_one_path_keep_their_own_files(tmp_path):
+    # A notebook running initialize again while the old engine is referenced, or a teacher and
+    # a student on one nvme_path: each tier reads back what it wrote, whichever closes first.
+    first = NvmeTier(Ledger(), str(tmp_path), config=CFG)
+    a = first.allocate("w", "master", 3000, torch.float32)
+    first.write(a, _buf(3000).fill_(1.0)).wait()
+    second = NvmeTier(Ledger(), str(tmp_path), config=CFG)
+    assert second.stale_files == [] and second.directory != first.directory
+    b = second.allocate("w", "master", 3000, torch.float32)
+    second.write(b, _buf(3000).fill_(2.0)).wait()
+    out = _buf(3000)
+    first.read(a, out).wait()
+    assert torch.equal(out, torch.ones(3000))
+    first.close()
+    second.read(b, out).wait()
+    assert torch.equal(out, torch.full((3000,), 2.0))
+    second.close()
+    assert not (tmp_path / SWAP_DIR).exists()
 
 
 def test_narrow_out_of_range():

@@ -164,7 +164,8 @@ class OffloadOptimizerConfig(_Section):
     # device "nvme" (ZeRO-Infinity): see engine/nvme_executor.py.
     nvme_path: str | None = Field(
         None, description="device 'nvme': the directory the fp32 master, gradient and optimizer state files "
-                          "go in (a zerokit-swap/rank<r> directory under it, removed on close).")
+                          "go in (a zerokit-swap/rank<r>-<pid>-<hex> directory of the engine's own under it, "
+                          "locked while the engine lives, removed on close).")
     buffer_count: Int = Field(
         4, ge=2, description="device 'nvme': host buffer sets the step streams sub-groups through "
                              "(read i+1 and write i-1 while i updates needs 3).")
@@ -208,7 +209,8 @@ class OffloadParamConfig(_Section):
     pin_memory: bool = Field(False, description="Page-locked weight shards (faster copies on CUDA).")
     nvme_path: str | None = Field(
         None, description="device 'nvme': the directory the weight shard files go in (a "
-                          "zerokit-swap/rank<r> directory under it, removed on close).")
+                          "zerokit-swap/rank<r>-<pid>-<hex> directory of the engine's own under it, locked while "
+                          "the engine lives, removed on close).")
     buffer_count: Int = Field(
         5, ge=1, description="device 'nvme': weight shards read from NVMe ahead of their gather, "
                              "at most this many host buffers at once.")

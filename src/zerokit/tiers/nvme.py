@@ -13,12 +13,13 @@ and offset (a deleted file: "opening"; a truncated one: "short file"). A `FileRa
 `narrow(start, length)` names a piece of it, so a streaming executor reads a sub-group at a time.
 
 One file per owner, starting at offset 0, so a host buffer from `io.buffers.aligned_empty` moves
-by O_DIRECT without staging (see [Note: file residue] in io/aio.py). Files live in
-`<nvme_path>/zerokit-swap/rank<r>/`; the 16-bit weight shards (kind "weights") in
-`<weights_path>/zerokit-swap/rank<r>/` where offload_param names another path than
-offload_optimizer (another disk: both read at once). A directory left there by a run that died is
-removed when the tier starts, and said (`stale_files`); `close()` removes this rank's
-directories.
+by O_DIRECT without staging (see [Note: file residue] in io/aio.py). Files live in a directory of
+the tier's own, `<nvme_path>/zerokit-swap/rank<r>-<pid>-<hex>/`, locked while the tier lives (see
+[Note: swap directory claims] in io/swap_directory.py: a second engine or job on the same path
+never touches this one's files); the 16-bit weight shards (kind "weights") in one under
+offload_param's path where that names another than offload_optimizer's (another disk: both read
+at once). What a dead run of this rank left there is removed when the tier starts, and said
+(`stale_files`); `close()` removes the tier's directories.
 
 `stats` counts the bytes read and written, the time callers were blocked in `wait()`, and the
 wall time from the first submission to the last completion since `stats.reset()`: the per-step
@@ -31,16 +32,15 @@ import errno
 import logging
 import os
 import re
-import shutil
 import threading
 import time
 
 import torch
 
 from zerokit.io.aio import AioConfig, AioError, AsyncIO, IOHandle
+from zerokit.io.swap_directory import SWAP_DIR, SwapDirectory  # noqa: F401 (SWAP_DIR: re-exported)
 from zerokit.tiers.ledger import Ledger
 
-SWAP_DIR = "zerokit-swap"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +151,7 @@ class NvmeHandle:
 
 
 class NvmeTier:
-    """File ranges under `directory`/zerokit-swap/rank<rank> (weight shards under
+    """File ranges in a claimed directory under `directory`/zerokit-swap (weight shards under
     `weights_directory`'s where given), counted in the ledger's nvme tier."""
 
     name = "nvme"
@@ -161,15 +161,18 @@ class NvmeTier:
                  weights_directory: str | None = None):
         self.ledger = ledger
         self.root = os.path.abspath(os.fspath(directory))
-        self.directory = os.path.join(self.root, SWAP_DIR, f"rank{rank}")
         weights_root = os.path.abspath(os.fspath(weights_directory or directory))
-        self.weights_directory = (
-            self.directory if os.path.realpath(weights_root) == os.path.realpath(self.root)
-            else os.path.join(weights_root, SWAP_DIR, f"rank{rank}"))
-        self.directories = list(dict.fromkeys([self.directory, self.weights_directory]))
-        self.stale_files = [f for d in self.directories for f in _clean_stale(d)]
-        for d in self.directories:
-            _make_rank_directory(d)
+        self._claims = [SwapDirectory(self.root, rank, error=AioError)]
+        try:
+            if os.path.realpath(weights_root) != os.path.realpath(self.root):
+                self._claims.append(SwapDirectory(weights_root, rank, error=AioError))
+        except BaseException:
+            self._claims[0].release()
+            raise
+        self.directory = self._claims[0].path
+        self.weights_directory = self._claims[-1].path
+        self.directories = [c.path for c in self._claims]
+        self.stale_files = [f for c in self._claims for f in c.stale_files]
         self.aio = AsyncIO(config, backend=backend)
         self.stats = IOStats()
         self._ranges: dict[str, FileRange] = {}
@@ -258,12 +261,8 @@ class NvmeTier:
         finally:
             for owner in list(self._ranges):
                 self.free(owner)
-            for directory in self.directories:
-                shutil.rmtree(directory, ignore_errors=True)
-                try:  # the shared parent goes when the last rank leaves it
-                    os.rmdir(os.path.dirname(directory))
-                except OSError:
-                    pass
+            for claim in self._claims:
+                claim.release()
 
 
 def _reserve(path: str, nbytes: int) -> None:
@@ -284,29 +283,3 @@ def _reserve(path: str, nbytes: int) -> None:
         os.close(fd)
 
 
-def _make_rank_directory(directory: str, attempts: int = 100) -> None:
-    """os.makedirs, retried where the shared parent vanished between its steps: another rank
-    closing its tier removes that parent once it is empty (NvmeTier.close). Once this rank's
-    directory exists the parent is not empty, so a few tries always win."""
-    for attempt in range(attempts):
-        try:
-            os.makedirs(directory, exist_ok=True)
-            return
-        except FileNotFoundError:
-            if attempt == attempts - 1:
-                raise AioError(errno.ENOENT, "creating the swap directory", directory) from None
-        except OSError as e:
-            raise AioError(e.errno, "creating the swap directory", directory) from None
-
-
-def _clean_stale(directory: str) -> list[str]:
-    """Remove swap files a dead run left in this rank's directory; returns their names."""
-    if not os.path.isdir(directory):
-        return []
-    stale = sorted(os.listdir(directory))
-    if stale:
-        logging.getLogger("zerokit").warning(
-            "nvme: removing %d swap file(s) a previous run left in %s (%s%s)", len(stale),
-            directory, ", ".join(stale[:3]), ", ..." if len(stale) > 3 else "")
-        shutil.rmtree(directory, ignore_errors=True)
-    return stale
