@@ -159,7 +159,8 @@ class Init:
 
             from zerokit.tiers.nvme import NvmeTier
 
-            # A directory of its own: initialize's tier cleans <nvme_path>/zerokit-swap at start.
+            # Construction shards under a root of their own, apart from the engines' swap files;
+            # the root goes when initialize has adopted them all (retire_constructed).
             root = os.path.join(self.config.zero_optimization.offload_param.nvme_path, INIT_DIR)
             self.nvme = NvmeTier(self.ledger, root, rank=self.comm.rank,
                                  config=self.config.aio.engine_config())
