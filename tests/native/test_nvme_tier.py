@@ -220,3 +220,9 @@ def test_opening_while_another_rank_leaves_the_shared_directory(tmp_path):
     finally:
         stop.set()
         t.join()
+
+
+def test_a_tier_that_fails_to_start_leaves_no_directory(tmp_path):
+    with pytest.raises(ValueError, match="backend"):
+        NvmeTier(Ledger(), str(tmp_path), config=CFG, backend="no-such-backend")
+    assert not (tmp_path / SWAP_DIR).exists()

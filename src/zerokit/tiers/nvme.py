@@ -42,7 +42,6 @@ from zerokit.io.swap_directory import SWAP_DIR, SwapDirectory  # noqa: F401 (SWA
 from zerokit.tiers.ledger import Ledger
 
 
-
 @dataclasses.dataclass(frozen=True)
 class FileRange:
     """`numel` elements of `dtype` at byte `offset` of `path`: NVMe-resident storage."""
@@ -166,14 +165,15 @@ class NvmeTier:
         try:
             if os.path.realpath(weights_root) != os.path.realpath(self.root):
                 self._claims.append(SwapDirectory(weights_root, rank, error=AioError))
-        except BaseException:
-            self._claims[0].release()
+            self.aio = AsyncIO(config, backend=backend)
+        except BaseException:  # nothing may keep a claim (its lock) that no tier will release
+            for claim in self._claims:
+                claim.release()
             raise
         self.directory = self._claims[0].path
         self.weights_directory = self._claims[-1].path
         self.directories = [c.path for c in self._claims]
         self.stale_files = [f for c in self._claims for f in c.stale_files]
-        self.aio = AsyncIO(config, backend=backend)
         self.stats = IOStats()
         self._ranges: dict[str, FileRange] = {}
         self._closed = False
@@ -281,5 +281,3 @@ def _reserve(path: str, nbytes: int) -> None:
                 os.ftruncate(fd, nbytes)
     finally:
         os.close(fd)
-
-
