@@ -85,7 +85,8 @@ def test_prefetch_residency_and_byte_count(swapper, tmp_path):
     with pytest.raises(KeyError, match="'b'"):
         swapper.swap_in("b")
     directory = swapper.directory
-    assert directory.endswith("rank3")
+    assert os.path.basename(directory).startswith("rank3-")
+    assert os.path.basename(os.path.dirname(directory)) == "zerokit-swap"
     swapper.close()
     assert not os.path.exists(directory) and swapper.nvme_bytes == 0
 
@@ -242,7 +243,7 @@ def test_permission_denied_names_path_and_key():
         out = _run_child(code, base)
         assert out["read"][0] == errno.EACCES and "'a'" in out["read"][1]
         assert out["write"][0] == errno.EACCES and "'b'" in out["write"][1]
-        assert os.path.join(base, "rank0") in out["read"][1]
+        assert os.path.join(base, "zerokit-swap", "rank0-") in out["read"][1]
     finally:
         subprocess.run(["chmod", "-R", "u+rwx", base], check=False)
         subprocess.run(["rm", "-rf", base], check=False)
@@ -361,3 +362,14 @@ def test_streamed_swap_out_failure_keeps_the_previous_version(swapper, monkeypat
     assert len(os.listdir(swapper.directory)) == 1  # the new file is gone
     ring = swapper._staging_ring()
     assert ring.free_count == ring.capacity
+
+
+def test_two_swappers_on_one_directory_keep_their_own_files(tmp_path):
+    first = TensorSwapper(str(tmp_path), backend="python")
+    second = TensorSwapper(str(tmp_path), backend="python")
+    first.swap_out("k", torch.ones(1000), wait=True)
+    second.swap_out("k", torch.full((1000,), 2.0), wait=True)
+    first.close()
+    assert torch.equal(second.swap_in("k"), torch.full((1000,), 2.0))
+    second.close()
+    assert os.listdir(tmp_path) == []

@@ -1,4 +1,4 @@
-"""TensorSwapper: tensors out to files and back by key, one directory per rank.
+"""TensorSwapper: tensors out to files and back by key, in a directory of its own.
 
 Every key maps to one file holding its bytes at offset `pad` (see [Note: file residue] in
 aio.py), plus in-memory metadata: shape, dtype, size and, optionally, one checksum per block.
@@ -11,6 +11,11 @@ States of a key, as `where(key)` reports them:
 
 A failed write removes its new file and keeps the key's previous version, if any; no other key is
 touched. Every error is an AioError naming the path, the key and the offset.
+
+The files are in `<directory>/zerokit-swap/rank<r>-<pid>-<hex>/`, a directory claimed for this
+swapper while it lives ([Note: swap directory claims] in swap_directory.py): two swappers, or a
+swapper and an engine, on one directory never touch each other's files, and what a dead run of
+this rank left there is removed at start (`stale_files`).
 """
 from __future__ import annotations
 
@@ -19,7 +24,6 @@ import errno
 import itertools
 import os
 import re
-import shutil
 import threading
 from typing import Iterator
 
@@ -28,6 +32,7 @@ import torch
 from zerokit.io.aio import AioConfig, AioError, AsyncIO, IOHandle
 from zerokit.io.buffers import ALIGN, BufferPool, aligned_empty, pin_default
 from zerokit.io.stream import CompletedWrite, read_chunks, ring_pool, write_chunks
+from zerokit.io.swap_directory import SwapDirectory
 
 
 @dataclasses.dataclass
@@ -47,9 +52,16 @@ class TensorSwapper:
     def __init__(self, directory: str, *, rank: int = 0, config: AioConfig | None = None,
                  checksums: bool = False, fsync: bool = False, backend: str = "auto",
                  pool: BufferPool | None = None):
-        self.directory = os.path.join(os.fspath(directory), f"rank{rank}")
-        os.makedirs(self.directory, exist_ok=True)
-        self.aio = AsyncIO(config, backend=backend)
+        # A directory of its own under <directory>/zerokit-swap, as the NVMe tier's: two swappers
+        # on one directory never touch each other's files (io/swap_directory.py).
+        self._claim = SwapDirectory(directory, rank, error=AioError)
+        self.directory = self._claim.path
+        self.stale_files = self._claim.stale_files
+        try:
+            self.aio = AsyncIO(config, backend=backend)
+        except BaseException:
+            self._claim.release()
+            raise
         self.checksums = checksums
         self.fsync = fsync
         self.pool = pool
@@ -340,7 +352,7 @@ class TensorSwapper:
             raise first
 
     def close(self) -> None:
-        """Waits for outstanding I/O, then removes every file and the rank directory."""
+        """Waits for outstanding I/O, then removes every file and the swapper's directory."""
         if self._closed:
             return
         self._closed = True
@@ -353,7 +365,7 @@ class TensorSwapper:
                 for key in list(self._entries):
                     self._discard(self._entries.pop(key))
             self.aio.close()
-            shutil.rmtree(self.directory, ignore_errors=True)
+            self._claim.release()
 
     def __enter__(self) -> "TensorSwapper":
         return self
