@@ -35,8 +35,9 @@ come off the budget first. Both sides build the model in bf16 (zero.Init dtype).
 
 Measured outside the libraries under test: step time (wall clock around forward+backward+step),
 peak RSS (the kernel's high-water mark, VmHWM, reset per phase: setup, forward, backward,
-step(); the run's peak is the largest, and the table's note gives setup's and the steps' apart), bytes read and written per step (/proc/self/io read_bytes/write_bytes: what
-reached the block device, not the page cache), bytes on disk under the swap folder (du) and the
+step(); the run's peak is the largest, and the table's note gives setup's and the steps' apart),
+bytes read and written per step (/proc/self/io read_bytes/write_bytes: what reached the block
+device, not the page cache), bytes on disk under the swap folder (du) and the
 disk's own sequential bandwidth, measured in the same run with `dd` and O_DIRECT. Prints a table
 and writes benchmarks/results/bench_infinity-<time>.json (and -latest.json).
 """

@@ -190,7 +190,8 @@ def _clean_stale(parent: str, prefix: str) -> list[str]:
             _unlink(path + _LOCK)
             os.close(fd)
     for entry in sorted(entries):  # locks whose directory is gone: a release cut short
-        if entry.startswith(prefix + "-") and entry.endswith(_LOCK) and entry[:-len(_LOCK)] not in entries:
+        orphan = entry.endswith(_LOCK) and entry[:-len(_LOCK)] not in entries
+        if entry.startswith(prefix + "-") and orphan:
             fd = _take_if_dead(os.path.join(parent, entry))
             if fd >= 0:
                 _unlink(os.path.join(parent, entry))
