@@ -201,6 +201,33 @@ def test_weights_and_optimizer_on_nvme_keep_no_16bit_copy_in_ram(tmp_path):
     assert r["io"]["bytes_written"] >= r["shard_bytes"], r
 
 
+SGD_LR = 1.0  # with eps 1e3 (_config's "SGD"): an update of about 1e-3 x the gradient
+
+
+def _sgd_like_fp32(path, **kw) -> dict:
+    cfg = _config("fp32", "nvme", "nvme", path, optimizer="SGD", clip=0.0, **kw)
+    cfg["optimizer"]["params"]["lr"] = SGD_LR
+    return cfg
+
+
+def _train_and_destroy(engine, rank, world):
+    """STEPS plain steps; (losses, fp32 weights, None) as test_offload.py's _close takes them."""
+    losses = engine_train(engine, global_batches(STEPS, MICRO * world), rank, world)
+    out = (losses, engine.consolidated_fp32_state_dict(), None)
+    engine.destroy()
+    return out
+
+
+def _check_against_torch(results, world) -> None:
+    """fp32 against one torch process doing the same SGD-like update (linear in the gradient,
+    so its scale shows), at test_offload.py's fp32 bound."""
+    ref_losses, ref = reference_train(
+        tiny_gpt, lambda ps: torch.optim.Adam(ps, lr=SGD_LR, betas=(0.0, 0.0), eps=1e3),
+        global_batches(STEPS, MICRO * world))
+    for got in results:
+        _close((3, "fp32"), got, (ref_losses, ref, None), steps=STEPS)
+
+
 def _two_paths_world(rank, world, root):
     """The same run with one path, then with offload_param and offload_optimizer on two; where
     the files are, read while they exist."""
@@ -221,16 +248,21 @@ def _two_paths_world(rank, world, root):
         os.path.join(d, "zerokit-swap") for d in (opt_dir, param_dir)], tier.directories
     engine.destroy()
     two = _train(rank, world, cfg)
-    return {"one": one, "two": two, "where": where, "stale": tier.stale_files}
+    fp32 = _train_and_destroy(zerokit.initialize(
+        model=tiny_gpt(), config=_sgd_like_fp32(opt_dir, param_path=param_dir))[0], rank, world)
+    return {"one": one, "two": two, "fp32": fp32, "where": where, "stale": tier.stale_files}
 
 
 def test_weights_and_optimizer_on_two_paths(tmp_path):
     """offload_param and offload_optimizer may name different paths (two disks): the shards in
     one, master and moments in the other, the same numbers as one path (SGD-like, scale-
-    sensitive), both directories cleaned at start (and said) and removed at the end."""
+    sensitive), and in fp32 the numbers of plain torch; both directories cleaned at start (and
+    said) and removed at the end."""
     for root in ("one", "opt", "param"):
         os.makedirs(tmp_path / root)
-    for r in run_world(_two_paths_world, 2, str(tmp_path)):
+    results = run_world(_two_paths_world, 2, str(tmp_path))
+    _check_against_torch([r["fp32"] for r in results], 2)
+    for r in results:
         assert r["two"]["files"] == 3, r["two"]["files"]
         assert r["two"]["losses"] == r["one"]["losses"]
         _exact(r["two"]["weights"], r["one"]["weights"], "two paths")
@@ -249,31 +281,18 @@ def _initialize_again_world(rank, world, path):
 
     import zerokit
 
-    cfg = _config("fp32", "nvme", "nvme", path, optimizer="SGD", clip=0.0)
-    cfg["optimizer"]["params"]["lr"] = SGD_LR
-    batches = global_batches(STEPS, MICRO * world)
+    cfg = _sgd_like_fp32(path)
     old, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
-    engine_train(old, batches[:1], rank, world)
+    engine_train(old, global_batches(1, MICRO * world), rank, world)
     new, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
     del old
     gc.collect()
-    losses = engine_train(new, batches, rank, world)
-    out = (losses, new.consolidated_fp32_state_dict(), None)
-    new.destroy()
-    return out
-
-
-SGD_LR = 1.0  # with eps 1e3 (_config's "SGD"): an update of about 1e-3 x the gradient
+    return _train_and_destroy(new, rank, world)
 
 
 def test_initialize_again_on_the_same_path_while_the_old_engine_lives(tmp_path):
-    """The second engine trains as plain torch does: fp32, the SGD-like update (linear in the
-    gradient, so its scale shows), test_offload.py's fp32 bound."""
-    ref_losses, ref = reference_train(
-        tiny_gpt, lambda ps: torch.optim.Adam(ps, lr=SGD_LR, betas=(0.0, 0.0), eps=1e3),
-        global_batches(STEPS, MICRO * 2))
-    for got in run_world(_initialize_again_world, 2, str(tmp_path)):
-        _close((3, "fp32"), got, (ref_losses, ref, None), steps=STEPS)
+    """The second engine trains as plain torch does."""
+    _check_against_torch(run_world(_initialize_again_world, 2, str(tmp_path)), 2)
     assert not os.listdir(tmp_path)
 
 
