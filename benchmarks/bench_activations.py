@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Activation memory (ZeRO-R): peak memory and step time of the demo GPT at a sequence length
-where activations dominate, with zerokit.checkpointing, deepspeed.checkpointing and
+where activations dominate, with zerokit.activations, deepspeed.checkpointing and
 torch.utils.checkpoint.
 
     flock /tmp/zk-heavy.lock .venv/bin/python benchmarks/bench_activations.py
@@ -100,20 +100,20 @@ def _setup(library: str, options: dict, model, rec: dict):
     """Make the model checkpoint its blocks with `library`; returns a ledger (zerokit) or None."""
     mpu = Mpu() if options.get("partition_activations") else None
     if library == "zerokit":
-        from zerokit import checkpointing
+        from zerokit import activations
         from zerokit.tiers import Ledger
 
-        checkpointing.configure(mpu, **options)
+        activations.configure(mpu, **options)
         ledger = Ledger()
-        checkpointing.use_ledger(ledger)
-        checkpointing.apply_activation_checkpointing(model)
+        activations.use_ledger(ledger)
+        activations.apply_activation_checkpointing(model)
         return ledger
     if library == "deepspeed":
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-        deepspeed.checkpointing.configure(mpu, **options)
-        _wrap_blocks(model, deepspeed.checkpointing.checkpoint)
+        deepspeed.activations.configure(mpu, **options)
+        _wrap_blocks(model, deepspeed.activations.checkpoint)
     elif library == "torch":
         from torch.utils.checkpoint import checkpoint
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""CUDA check of zerokit.checkpointing (needs a GPU): every option's gradients equal those of the
+"""CUDA check of zerokit.activations (needs a GPU): every option's gradients equal those of the
 same model without checkpointing bit for bit (dropout on: the CUDA RNG is replayed), host-kept
 inputs are pinned and prefetched in reverse order, and the device tier holds at most two layers'
 inputs (the one restored and the one in flight) while the host holds all of them.
@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from zerokit import checkpointing
+from zerokit import activations
 from zerokit.models import GPT, GPTConfig
 from zerokit.tiers import Ledger
 
@@ -46,16 +46,16 @@ def model():
 
 def check(name, opts):
     want = grads(model())
-    checkpointing.configure(None, **opts)
+    activations.configure(None, **opts)
     ledger = Ledger()
-    checkpointing.use_ledger(ledger)
+    activations.use_ledger(ledger)
     m = model()
-    checkpointing.apply_activation_checkpointing(m)
-    before = dict(checkpointing.STORE.stats)
+    activations.apply_activation_checkpointing(m)
+    before = dict(activations.STORE.stats)
     got = grads(m)
     bad = [n for n in want if not torch.equal(want[n], got[n])]
     assert not bad, f"gradients differ: {bad[:3]}"
-    stats = {k: checkpointing.STORE.stats[k] - before[k] for k in before}
+    stats = {k: activations.STORE.stats[k] - before[k] for k in before}
     dev = ledger.bytes("device", "activations", peak=True)
     host = ledger.bytes("host", "activations", peak=True)
     if opts.get("checkpoint_in_cpu"):
@@ -78,7 +78,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             print(f"FAIL {name}: {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)
             failed += 1
-    checkpointing.configure(None)
+    activations.configure(None)
     print(f"SUMMARY: {passed} passed, {failed} failed")
     return 1 if failed else 0
 

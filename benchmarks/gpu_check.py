@@ -296,7 +296,7 @@ def agreement_cost(device: torch.device) -> None:
     blocking check it replaced, each issued once per "unit" behind 1 ms-ish of queued GPU work."""
     import torch.distributed as dist
 
-    from zerokit.core.agreement import LaggedChecks, Signature
+    from zerokit.comm.agreement import LaggedChecks, Signature
 
     a = torch.randn(2048, 2048, device=device)
 

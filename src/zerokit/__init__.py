@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from zerokit.config import ConfigError, ZeroKitConfig, load_config
-from zerokit.core.collectives import CollectiveError
+from zerokit.comm.collectives import CollectiveError
 from zerokit import zero  # noqa: E402  zerokit.zero.GatheredParameters, as deepspeed.zero
 
 __version__ = "0.1.0"
@@ -22,7 +22,7 @@ _LAZY = {
     "initialize": ("zerokit.engine.assemble", "initialize"),
     "Engine": ("zerokit.engine.engine", "Engine"),
     "NonFiniteError": ("zerokit.engine.health", "NonFiniteError"),
-    "EngineFailedError": ("zerokit.core.states", "EngineFailedError"),
+    "EngineFailedError": ("zerokit.states", "EngineFailedError"),
     "PREEMPTED_EXIT_CODE": ("zerokit.engine.preemption", "PREEMPTED_EXIT_CODE"),
 }
 __all__ = ["zero", "CollectiveError", "ConfigError", "Engine", "EngineFailedError", "NonFiniteError", "PREEMPTED_EXIT_CODE",
@@ -31,7 +31,7 @@ __all__ = ["zero", "CollectiveError", "ConfigError", "Engine", "EngineFailedErro
 if TYPE_CHECKING:
     from zerokit.engine.assemble import initialize
     from zerokit.engine.engine import Engine
-    from zerokit.core.states import EngineFailedError
+    from zerokit.states import EngineFailedError
     from zerokit.engine.health import NonFiniteError
     from zerokit.engine.preemption import PREEMPTED_EXIT_CODE
 

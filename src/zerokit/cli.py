@@ -119,13 +119,13 @@ def _bar_postfix(engine, loss: float, tokens_per_s: float) -> dict[str, str]:
 
 
 def _log_lines_above(bar):
-    """zerokit's own stderr handler (rank 0, utils/logs.py) writes through tqdm while the bar runs."""
+    """zerokit's own stderr handler (rank 0, logs.py) writes through tqdm while the bar runs."""
     import contextlib
     import logging
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from zerokit.utils.logs import default_handler
+    from zerokit.logs import default_handler
 
     zerokit_log = logging.getLogger("zerokit")
     if bar.disable or default_handler(zerokit_log) is None:

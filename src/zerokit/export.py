@@ -14,7 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from zerokit.checkpoint.storage import SafetensorsWriter
-from zerokit.core.unit import WeightState
+from zerokit.units.unit import WeightState
 
 if TYPE_CHECKING:
     from zerokit.engine.engine import Engine

@@ -31,7 +31,7 @@ import psutil
 import torch
 import torch.nn as nn
 
-from zerokit.core.unit import Unit, WeightState, unit_of
+from zerokit.units.unit import Unit, WeightState, unit_of
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -311,7 +311,7 @@ class _RssPeak:
 def _log_on_rank0(report: LoadReport) -> None:
     import torch.distributed as dist
 
-    from zerokit.utils.logs import configure_logging, log
+    from zerokit.logs import configure_logging, log
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     configure_logging(rank)

@@ -4,7 +4,7 @@
     table = zerokit.zero.TiledEmbedding(1_000_000, 1024, num_tiles=64)
 
 Each tile is a submodule marked as a tile, so the wrap policy makes it a unit of its own (see
-[Note: tiles] in core/wrap.py): at stage 3 a layer larger than the gather budget
+[Note: tiles] in units/wrap.py): at stage 3 a layer larger than the gather budget
 (stage3_max_live_parameters) runs tile by tile, each gathered before its use and released after.
 
 TiledLinear is DeepSpeed's (deepspeed.runtime.zero.tiling): the same arguments, tile layout and
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from zerokit.core.wrap import TILE_ATTR
+from zerokit.units.wrap import TILE_ATTR
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
@@ -213,7 +213,7 @@ class TiledEmbedding(nn.Module):
 
     def _agreed_tiles(self, needed: torch.Tensor) -> list[int]:
         """The tiles some rank needs, ascending (see [Note: tiles across ranks])."""
-        from zerokit.core.unit import unit_of
+        from zerokit.units.unit import unit_of
 
         unit = unit_of(self.tiles[0].weight)
         if unit is not None and unit.comm.world_size > 1:

@@ -11,8 +11,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from zerokit.core.leaf import get_leaf_modules, set_leaf_modules, unset_leaf_modules  # noqa: F401
-from zerokit.core.unit import Unit, WeightState, unit_of
+from zerokit.units.leaf import get_leaf_modules, set_leaf_modules, unset_leaf_modules  # noqa: F401
+from zerokit.units.unit import Unit, WeightState, unit_of
 from zerokit.policy import PlacementPolicy
 from zerokit.pretrained import LoadReport, load_pretrained_sharded  # noqa: F401  (public here)
 from zerokit.tiling import TiledEmbedding, TiledLinear, TiledLinearReturnBias  # noqa: F401  (public here)
@@ -145,7 +145,7 @@ class Init:
                 self._partition(m)
 
     def _set_up(self) -> None:
-        from zerokit.core.collectives import Comm
+        from zerokit.comm.collectives import Comm
         from zerokit.policy import PartitionPolicy
         from zerokit.tiers import Ledger
 

@@ -278,7 +278,7 @@ def test_accelerator_comm_and_utils_on_one_process():
     assert len(groups) == 1 and groups[0]["lr"] == 0.1
     from zerokit.compat.deepspeed.utils import get_z3_leaf_modules, unset_z3_leaf_modules
 
-    marked = set_z3_leaf_modules(model, [torch.nn.LayerNorm])  # zerokit/core/leaf.py
+    marked = set_z3_leaf_modules(model, [torch.nn.LayerNorm])  # zerokit/units/leaf.py
     assert marked and get_z3_leaf_modules(model) == marked
     assert unset_z3_leaf_modules(model, ["LayerNorm"]) == marked and not get_z3_leaf_modules(model)
     with pytest.raises(ValueError, match="Conv2d"):

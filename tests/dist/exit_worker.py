@@ -18,7 +18,7 @@ def _report_beats() -> None:
 import torch  # noqa: E402
 
 import zerokit  # noqa: E402
-import zerokit.core.collectives as collectives  # noqa: E402
+import zerokit.comm.collectives as collectives  # noqa: E402
 
 collectives.HEARTBEAT_S = 0.0
 engine, _, _, _ = zerokit.initialize(model=torch.nn.Linear(4, 4), config={

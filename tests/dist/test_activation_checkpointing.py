@@ -56,13 +56,13 @@ def _config(zero: str, options: dict | None) -> dict:
 
 def _checkpoint_blocks(model, flavor: str) -> None:
     """Make the model checkpoint its blocks the way `flavor` says, without editing GPT."""
-    from zerokit import checkpointing
+    from zerokit import activations
 
     if flavor == "apply":
-        checkpointing.apply_activation_checkpointing(model)
+        activations.apply_activation_checkpointing(model)
         return
     if flavor == "zerokit(block)":
-        run = checkpointing.checkpoint
+        run = activations.checkpoint
     else:
         from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -98,12 +98,12 @@ def _count_gathers(engine) -> list[int]:
 
 def _train(rank: int, world: int, cases: list) -> dict:
     import zerokit
-    from zerokit import checkpointing
+    from zerokit import activations
 
     out = {}
     for case in cases:
         zero, option, flavor = case
-        checkpointing.configure(None)  # defaults: each case's config sets its own section
+        activations.configure(None)  # defaults: each case's config sets its own section
         model = tiny_gpt()
         if option is not None:
             _checkpoint_blocks(model, flavor)
@@ -115,11 +115,11 @@ def _train(rank: int, world: int, cases: list) -> dict:
         trace = [u.name for u in getattr(engine.scheduler, "trace", [])]
         out[case] = {"losses": losses, "weights": engine.consolidated_fp32_state_dict(),
                      "gathers": list(gathers), "uses": stats.get("uses"), "trace": trace,
-                     "kept": checkpointing.STORE.stats["kept"],
+                     "kept": activations.STORE.stats["kept"],
                      "activations": engine.ledger.bytes(kind="activations", peak=True),
-                     "pending": len(checkpointing.STORE.pending)}
+                     "pending": len(activations.STORE.pending)}
         engine.destroy()
-    checkpointing.configure(None)
+    activations.configure(None)
     return out
 
 

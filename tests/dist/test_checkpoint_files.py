@@ -59,7 +59,7 @@ def test_consolidation(tmp_path) -> None:
 
     import zerokit
     from zerokit.cli import main
-    from zerokit.utils.zero_to_fp32 import (get_fp32_state_dict_from_zero_checkpoint,
+    from zerokit.checkpoint.zero_to_fp32 import (get_fp32_state_dict_from_zero_checkpoint,
                                             load_state_dict_from_zero_checkpoint)
 
     trained = run_world(_train_and_save, 2, str(tmp_path))[0]

@@ -14,7 +14,7 @@ def _reductions_in_flight(rank: int, world: int) -> dict:
     """For overlap_comm true and false: how many gradient reductions were still in flight as each
     unit's started, and the training result (SGD: any change in the reduced values shows)."""
     import zerokit
-    from zerokit.core.unit import Unit
+    from zerokit.units.unit import Unit
 
     outstanding, seen = [0], []
     launch = Unit.launch_reduce

@@ -1,6 +1,6 @@
 """A process that trained with zerokit leaves with the code it chose (75 after preemption), never
 SIGABRT from a native thread unwound at interpreter finalization (see _at_exit in
-core/collectives.py). CI once saw 'terminate called without an active exception' and exit -6
+comm/collectives.py). CI once saw 'terminate called without an active exception' and exit -6
 from a preempted rank."""
 from __future__ import annotations
 

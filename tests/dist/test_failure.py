@@ -44,7 +44,7 @@ def test_dead_rank_stops_the_others_with_its_name() -> None:
     assert elapsed < 60, f"took {elapsed:.0f}s: the surviving rank waited instead of failing"
 
 
-# ---- ranks that take different paths (see [Note: rank agreement] in core/agreement.py) ---------
+# ---- ranks that take different paths (see [Note: rank agreement] in comm/agreement.py) ---------
 class Branchy(nn.Module):
     """Blocks run in `order` (set per rank per step): equal widths make equal-sized units, which
     would pair silently wrong; different widths make unequal ones, which would abort gloo."""

@@ -28,7 +28,7 @@ def _enable(model, flavor: str | None) -> dict | None:
     """The model's own switch; returns the config's activation_checkpointing section."""
     import warnings
 
-    from zerokit import checkpointing
+    from zerokit import activations
 
     if flavor is None:
         return None
@@ -39,19 +39,19 @@ def _enable(model, flavor: str | None) -> dict | None:
         else:
             model.gradient_checkpointing_enable()
     if flavor == "zerokit cpu":
-        assert checkpointing.use_zerokit_checkpoint(model)
+        assert activations.use_zerokit_checkpoint(model)
         return {"cpu_checkpointing": True}
     return None
 
 
 def _train(rank: int, world: int) -> dict:
     import zerokit
-    from zerokit import checkpointing
+    from zerokit import activations
 
     out = {}
     for stage in (0, 1, 2, 3):
         for flavor in FLAVORS:
-            checkpointing.configure(None)
+            activations.configure(None)
             model = _gpt2()
             section = _enable(model, flavor)
             zero = {"stage": stage}
@@ -62,7 +62,7 @@ def _train(rank: int, world: int) -> dict:
             if section:
                 config["activation_checkpointing"] = section
             engine, _, _, _ = zerokit.initialize(model=model, config=config)
-            kept = checkpointing.STORE.stats["kept"]
+            kept = activations.STORE.stats["kept"]
             losses = []
             for batch in global_batches(STEPS, MICRO * world):
                 x, _ = rank_micro_batch(batch, rank, world, 0, 1)
@@ -73,7 +73,7 @@ def _train(rank: int, world: int) -> dict:
                 torch.distributed.all_reduce(t)
                 losses.append(t.item() / world)
             out[stage, flavor] = {"losses": losses, "weights": engine.consolidated_fp32_state_dict(),
-                                  "kept": checkpointing.STORE.stats["kept"] - kept,
+                                  "kept": activations.STORE.stats["kept"] - kept,
                                   "uses": getattr(engine.scheduler, "stats", {}).get("uses")}
             engine.destroy()
     return out

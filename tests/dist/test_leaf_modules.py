@@ -1,4 +1,4 @@
-"""Leaf modules (see [Note: leaf modules] in core/leaf.py): an MoE block whose ranks run different
+"""Leaf modules (see [Note: leaf modules] in units/leaf.py): an MoE block whose ranks run different
 experts trains at stage 3 and equals the one-process reference; unmarked, it fails by the rule."""
 from __future__ import annotations
 

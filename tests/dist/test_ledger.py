@@ -60,8 +60,8 @@ def _ledger_and_rss_growth(rank: int, world: int) -> dict:
     this process's RSS growth around it: on a CPU machine the device tier is host memory too."""
     import psutil
 
-    from zerokit.core.collectives import Comm
-    from zerokit.core.unit import Unit
+    from zerokit.comm.collectives import Comm
+    from zerokit.units.unit import Unit
     from zerokit.policy import PartitionPolicy, PlacementPolicy
     from zerokit.tiers import Ledger
 

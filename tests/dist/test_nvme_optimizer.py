@@ -1,4 +1,4 @@
-"""ZeRO-Infinity's optimizer on NVMe (offload_optimizer device 'nvme', engine/nvme_executor.py).
+"""ZeRO-Infinity's optimizer on NVMe (offload_optimizer device 'nvme', parts/nvme_executor.py).
 
 - parity: the optimizer streamed from NVMe in sub-groups gives the weights of the same run with
   the optimizer in host memory (device 'cpu'), bit for bit, at stages 1-3, fp32 and bf16, world
@@ -312,7 +312,7 @@ def _train_delayed(rank, world, cfg, steps, save_at=None, ckpt=None):
     import time
 
     import zerokit
-    from zerokit.engine.nvme_executor import NvmeExecutor
+    from zerokit.parts.nvme_executor import NvmeExecutor
 
     # The stream starts late, so it surely runs while the next backward writes gradients.
     stream = NvmeExecutor._stream

@@ -1,4 +1,4 @@
-"""ZeRO-Infinity's weights on NVMe (offload_param device 'nvme', core/nvme_shard.py).
+"""ZeRO-Infinity's weights on NVMe (offload_param device 'nvme', tiers/nvme_shard.py).
 
 - parity: stage-3 weight shards in files give the weights of the same run with them in host
   memory (offload_param 'cpu'), bit for bit, fp32 and bf16, world 1 and 2, with the optimizer on

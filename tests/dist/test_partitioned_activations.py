@@ -103,7 +103,7 @@ def _grads(blocks, checkpoint=None) -> tuple[dict, torch.Tensor]:
 
 
 def _run(rank: int, world: int) -> dict:
-    from zerokit import checkpointing
+    from zerokit import activations
 
     blocks = nn.ModuleList(TensorParallelBlock(f, rank, world) for f in _full_blocks())
     plain, plain_x = _grads(blocks)
@@ -115,10 +115,10 @@ def _run(rank: int, world: int) -> dict:
         "partitioned+cpu+contiguous": dict(partition_activations=True, checkpoint_in_cpu=True,
                                            contiguous_checkpointing=True, num_checkpoints=LAYERS),
     }.items():
-        checkpointing.configure(Mpu(), **opts)
-        ledger = checkpointing.SETTINGS.ledger = __import__("zerokit.tiers", fromlist=["L"]).Ledger()
+        activations.configure(Mpu(), **opts)
+        ledger = activations.SETTINGS.ledger = __import__("zerokit.tiers", fromlist=["L"]).Ledger()
         kept, after_keep = [], []
-        store = checkpointing.STORE
+        store = activations.STORE
         keep = store.keep
         tier = "host" if opts.get("checkpoint_in_cpu") else "device"
 
@@ -127,7 +127,7 @@ def _run(rank: int, world: int) -> dict:
             after_keep.append(ledger.bytes(tier, "activations"))
             return kept[-1]
         store.keep = counted_keep
-        got = _grads(blocks, checkpointing.checkpoint)
+        got = _grads(blocks, activations.checkpoint)
         store.keep = keep
         out[name] = got + ({"kept_numel": [p.kept.numel() for k in kept for p in k.pieces if p],
                             "kept_after_forward": after_keep[-1],
@@ -135,8 +135,8 @@ def _run(rank: int, world: int) -> dict:
                             "device_peak": ledger.bytes("device", "activations", peak=True),
                             "whole": world * per_rank_numel * 4,
                             "pending": len(store.pending)},)
-    checkpointing.configure(None)
-    checkpointing.SETTINGS.mpu = None
+    activations.configure(None)
+    activations.SETTINGS.mpu = None
     return out
 
 

@@ -12,7 +12,7 @@ MICRO = 2
 
 
 def test_every_move_outside_the_table_raises() -> None:
-    from zerokit.core.states import LEGAL, ExecutorState, IllegalTransition, TrainingState, WeightState, move
+    from zerokit.states import LEGAL, ExecutorState, IllegalTransition, TrainingState, WeightState, move
 
     for machine in (WeightState, ExecutorState, TrainingState):
         for current in machine:
@@ -38,7 +38,7 @@ def _engine(stage: int, offload: bool):
 
 
 def test_a_units_weights_refuse_an_illegal_move() -> None:
-    from zerokit.core.states import IllegalTransition, WeightState
+    from zerokit.states import IllegalTransition, WeightState
 
     engine = _engine(3, offload=False)
     unit = next(u for u in engine.units if u.state is WeightState.SHARDED)
@@ -50,8 +50,8 @@ def test_a_units_weights_refuse_an_illegal_move() -> None:
 
 
 def test_executors_refuse_an_illegal_move() -> None:
-    from zerokit.core.states import ExecutorState, IllegalTransition
-    from zerokit.engine.executors import DeviceExecutor
+    from zerokit.states import ExecutorState, IllegalTransition
+    from zerokit.parts.executors import DeviceExecutor
 
     engine = _engine(2, offload=True)
     x = torch.randint(0, 256, (MICRO, 16))
@@ -75,7 +75,7 @@ def test_executors_refuse_an_illegal_move() -> None:
 
 
 def test_the_engine_refuses_backward_inside_forward() -> None:
-    from zerokit.core.states import IllegalTransition, TrainingState
+    from zerokit.states import IllegalTransition, TrainingState
 
     engine = _engine(1, offload=False)
     x = torch.randint(0, 256, (MICRO, 16))
@@ -96,7 +96,7 @@ def test_hooks_tell_recomputation_from_forward(use_reentrant) -> None:
     twice: in forward, and again inside backward, which the engine's hooks see as RECOMPUTE."""
     from torch.utils.checkpoint import checkpoint
 
-    from zerokit.core.states import TrainingState
+    from zerokit.states import TrainingState
 
     engine = _engine(2, offload=False)
     model = engine.module
@@ -126,8 +126,8 @@ def test_a_step_that_leaves_inconsistent_state_fails_the_engine(failure, tmp_pat
     partly written) makes the engine FAILED: forward, backward and step then raise, saying why
     and what to do; any other failure leaves an engine that trains on (engine._abandon_step)."""
     import zerokit
-    from zerokit.core.collectives import CollectiveError
-    from zerokit.core.states import TrainingState
+    from zerokit.comm.collectives import CollectiveError
+    from zerokit.states import TrainingState
     from zerokit.io.aio import AioError
 
     engine = _engine(2, offload=False)

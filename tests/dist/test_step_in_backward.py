@@ -1,5 +1,5 @@
 """offload_optimizer.step_in_backward: each unit's offloaded parts step as soon as backward has
-reduced its gradient, on the host worker while backward goes on (engine/executors.py).
+reduced its gradient, on the host worker while backward goes on (parts/executors.py).
 
 - parity: the weights after each step equal, bit for bit, those of the same run stepping in
   step() (host memory and NVMe, stages 1-3, fp32 and bf16, world 1 and 2, AdamW and an SGD-like,

@@ -1,4 +1,4 @@
-"""Tiled layers trained through zerokit (zerokit/tiling.py, [Note: tiles] in core/wrap.py):
+"""Tiled layers trained through zerokit (zerokit/tiling.py, [Note: tiles] in units/wrap.py):
 equal to the plain nn.Linear / nn.Embedding model trained by torch alone; at stage 3 a tiled layer
 runs under a gather budget smaller than itself, and embedding tiles nobody looks up are never
 gathered, even when the ranks look up different rows ([Note: tiles across ranks])."""
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from harness import run_world
 from reference import reference_train
-from zerokit.core.states import WeightState
+from zerokit.states import WeightState
 
 V, D, H, MICRO, SEQ, STEPS, LR = 40, 12, 20, 2, 6, 3, 0.1
 # Rows 0-9 are embedding tile 0, 10-19 tile 1, 20-29 tile 2, 30-39 tile 3. Rank 0 looks up only

@@ -165,8 +165,8 @@ def test_file_gradient_accumulates_zero_fills_and_norms_like_a_tensor(tier, monk
     """[Note: gradients on NVMe]: pieces written, re-cut accumulation read-add-written, elements
     no piece reached read as zero, the norm from the pieces equal to the tensor's; a stale file
     (the last step's gradient) never leaks into the next after clear()."""
-    from zerokit.core import nvme_part
-    from zerokit.core.nvme_part import FileGradient, read_range
+    from zerokit.parts import nvme as nvme_part
+    from zerokit.parts.nvme import FileGradient, read_range
 
     monkeypatch.setattr(nvme_part, "GRAD_WRITES_IN_FLIGHT_BYTES", 256)  # waits while adding too
     n = 1000

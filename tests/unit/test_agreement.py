@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zerokit.core.agreement import OPS, PendingChecks, Signature, describe_divergence
+from zerokit.comm.agreement import OPS, PendingChecks, Signature, describe_divergence
 
 
 class FakeEvent:

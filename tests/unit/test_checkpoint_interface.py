@@ -19,8 +19,8 @@ from zerokit.checkpoint import load_checkpoint, save_checkpoint, wait_for_checkp
 from zerokit.checkpoint.consolidate import get_fp32_state_dict
 from zerokit.checkpoint.interface import (FileRange, LoadPiece, ParamRecord, SavedOptimizer, SavePiece, SaveState,
                                           UnitRecord)
-from zerokit.core.collectives import Comm
-from zerokit.core.lease import ReadLease
+from zerokit.comm.collectives import Comm
+from zerokit.units.lease import ReadLease
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from zerokit.config import load_config
-from zerokit.engine.optimizer import build_optimizer, recipe_from
+from zerokit.optim.recipe import build_optimizer, recipe_from
 
 # DeepSpeed's FusedAdam and DeepSpeedCPUAdam (what it builds for "Adam"/"AdamW" without
 # torch_adam) default to no weight decay; torch.optim.AdamW defaults to 0.01.

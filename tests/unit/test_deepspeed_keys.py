@@ -192,7 +192,7 @@ def test_a_typo_still_names_the_nearest_key() -> None:
 
 def _describe(path: str) -> tuple[str, str]:
     """(zerokit's answer, why) for one DeepSpeed key, as docs/deepspeed.md shows it."""
-    from zerokit.config.compat import _model_at
+    from zerokit.config.errors import _model_at
 
     kind = classify(path)[0]
     parts = path.split(".")

@@ -1,6 +1,6 @@
 """Which device a rank computes on, with the CUDA facts injected (this machine needs no GPU).
 
-The pure rule is `zerokit.core.devices.choose_device`; the tests below it drive
+The pure rule is `zerokit.comm.devices.choose_device`; the tests below it drive
 `Comm.from_environment` and `initialize` with torch.cuda's answers patched, to check the rule is
 applied: set_device before the process group exists, the NCCL group bound to the same device.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerokit.core.collectives import Comm
+from zerokit.comm.collectives import Comm
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
@@ -20,7 +20,7 @@ CUDA = torch.device
 
 # ---- the rule, facts injected ------------------------------------------------------------------
 def test_cpu_machine_is_unchanged() -> None:
-    from zerokit.core.devices import choose_device
+    from zerokit.comm.devices import choose_device
 
     assert choose_device({}, 0) == CUDA("cpu")
     assert choose_device(TORCHRUN, 0) == CUDA("cpu")
@@ -28,7 +28,7 @@ def test_cpu_machine_is_unchanged() -> None:
 
 
 def test_launcher_uses_local_rank() -> None:
-    from zerokit.core.devices import choose_device
+    from zerokit.comm.devices import choose_device
 
     assert choose_device(TORCHRUN, 2) == CUDA("cuda", 1)
     assert choose_device(dict(TORCHRUN, LOCAL_RANK="0", RANK="0"), 8) == CUDA("cuda", 0)
@@ -37,7 +37,7 @@ def test_launcher_uses_local_rank() -> None:
 
 
 def test_more_local_ranks_than_gpus_names_both_counts() -> None:
-    from zerokit.core.devices import choose_device
+    from zerokit.comm.devices import choose_device
 
     with pytest.raises(ValueError, match=r"2 local ranks .* 1 CUDA device"):
         choose_device(dict(TORCHRUN, LOCAL_RANK="0", RANK="0"), 1)
@@ -46,7 +46,7 @@ def test_more_local_ranks_than_gpus_names_both_counts() -> None:
 
 
 def test_no_launcher_uses_cuda0_or_the_models_gpu() -> None:
-    from zerokit.core.devices import choose_device
+    from zerokit.comm.devices import choose_device
 
     assert choose_device({}, 1) == CUDA("cuda", 0)
     assert choose_device({}, 1, CUDA("cpu")) == CUDA("cuda", 0)
@@ -57,7 +57,7 @@ def test_no_launcher_uses_cuda0_or_the_models_gpu() -> None:
 
 
 def test_existing_group_decides() -> None:
-    from zerokit.core.devices import ExistingGroup, choose_device
+    from zerokit.comm.devices import ExistingGroup, choose_device
 
     gloo = ExistingGroup("gloo")
     assert choose_device({}, 1, CUDA("cpu"), gloo) == CUDA("cpu")  # a test harness on a GPU machine

@@ -1,4 +1,4 @@
-"""core/held_gradient.py: gradients held only while in use (offload_optimizer.step_in_backward)."""
+"""parts/held_gradient.py: gradients held only while in use (offload_optimizer.step_in_backward)."""
 from __future__ import annotations
 
 import threading
@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from zerokit.core.held_gradient import GradientPool, HeldGradient
+from zerokit.parts.held_gradient import GradientPool, HeldGradient
 
 
 def test_pieces_are_copied_gaps_zeroed_and_the_norm_exact():

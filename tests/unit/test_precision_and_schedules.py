@@ -8,7 +8,7 @@ import torch
 
 from zerokit.config import load_config
 from zerokit.engine.precision import LossScaler
-from zerokit.engine.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zerokit.engine.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 
 def _scaler(**fp16) -> LossScaler:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zerokit.core.wrap import group_parameters, select_modules
+from zerokit.units.wrap import group_parameters, select_modules
 from zerokit.zero import TiledEmbedding, TiledLinear
 
 TOL = dict(rtol=1e-6, atol=1e-6)

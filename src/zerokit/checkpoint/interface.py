@@ -3,7 +3,7 @@
 [Note: checkpoint interface]
 The checkpoint package knows the file format, the resharding arithmetic and the commit protocol;
 it knows nothing of units, optimizer parts, executors or tiers, and it imports no engine. The
-engine offers (engine/checkpointing.py implements `Checkpointable`):
+engine offers (engine/checkpoint_state.py implements `Checkpointable`):
 - `checkpoint_units()`: every unit's geometry as plain records (`UnitRecord`): name, sizes,
   each parameter's name / shape / offset. meta.json describes these, and loading maps a saved
   parameter range onto them.
@@ -19,7 +19,7 @@ engine offers (engine/checkpointing.py implements `Checkpointable`):
   target (a tensor or a `FileRange`). The checkpoint resolves which saved files hold them.
 - `training_scalars()` / `restore_training_scalars(...)`: step counters, loss scaler, LR
   scheduler, optimizer param groups.
-- `save_lease` (core/lease.py): an asynchronous save runs on it; the engine's step, and edits
+- `save_lease` (units/lease.py): an asynchronous save runs on it; the engine's step, and edits
   through GatheredParameters, settle it before changing bytes the save still reads.
 - the public `comm`, `module`, `config`, `training_dataloader`, `global_steps`, `micro_steps`,
   `gradient_accumulation_steps()` and `wait_for_weights()`.
@@ -109,7 +109,7 @@ class ParamRecord:
 
 @dataclass(frozen=True)
 class UnitRecord:
-    """A unit's geometry (see [Note: unit layout] in core/unit.py), as a checkpoint sees it."""
+    """A unit's geometry (see [Note: unit layout] in units/unit.py), as a checkpoint sees it."""
 
     name: str
     numel: int
@@ -138,7 +138,7 @@ class LoadPiece:
 @dataclass(frozen=True)
 class HostRecord:
     """The host optimizer executor's position (see [Note: host step counts] and [Note: delayed
-    update in checkpoints] in engine/checkpointing.py)."""
+    update in checkpoints] in engine/checkpoint_state.py)."""
 
     host_steps: dict[str, int]      # unit name -> host updates applied to its host part
     launches: int

@@ -172,7 +172,7 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Any = None, load
 def saved_optimizer(layout: Layout, units: list[UnitRecord], names: set[str], common: dict) -> SavedOptimizer:
     """What the checkpoint holds for each of this engine's trainable units' optimizer state: the
     state keys of the saved units its parameters come from (they must agree), their scalars, and
-    the host step counts ([Note: host step counts] in engine/checkpointing.py)."""
+    the host step counts ([Note: host step counts] in engine/checkpoint_state.py)."""
     record = common.get("offload")
     per_unit: dict[str, SavedUnitOptimizer] = {}
     for u in units:

@@ -23,7 +23,7 @@ The protocol, as four steps (DCP's plan / write / commit, plus an explicit agree
              before anything else (recover_interrupted), or drops an `.old-{tag}` left beside a
              complete `{tag}` (a kill while removing it).
 Asynchronously, steps 3-4 run on a background thread per rank with no collectives, on the
-engine's save lease (core/lease.py): rank 0's thread waits for the other ranks' markers in the
+engine's save lease (units/lease.py): rank 0's thread waits for the other ranks' markers in the
 file system (or a `rank{r}.failed` marker, or the comm timeout) before it commits. The next save,
 a load, or `wait_for_checkpoint` waits. What is saved comes through the engine's narrow interface
 ([Note: checkpoint interface] in checkpoint/interface.py): named pieces of live state, and scalars.

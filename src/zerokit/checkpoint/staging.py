@@ -1,7 +1,7 @@
 """The host staging buffer of asynchronous saves: device tensors of the snapshot are copied
 here, then written (host tensors are written in place: [Note: async save without a host copy]).
 
-One buffer per engine, kept on its save lease (core/lease.py `ReadLease.staging`) and reused:
+One buffer per engine, kept on its save lease (units/lease.py `ReadLease.staging`) and reused:
 the next save waits for the previous one, so one suffices, and reuse spares every save but the
 first the page faults of fresh memory. The first save's copy faults the whole buffer in (0.5 GB
 per rank: measured 0.2 s alone, 0.8-1.4 s with two ranks faulting at once on the 2-core VM,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from zerokit.checkpoint.storage import Parts, entry_of, nbytes_of
-from zerokit.core.lease import ReadLease
+from zerokit.units.lease import ReadLease
 
 
 def stage(lease: ReadLease, device: torch.device, tensors: list[tuple[str, torch.Tensor | Parts]]

@@ -31,8 +31,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from zerokit.core.unit import unit_of
-from zerokit.utils.logs import log
+from zerokit.units.unit import unit_of
+from zerokit.logs import log
 
 _original: Callable | None = None  # transformers' own _load_pretrained_model
 OPT_OUT = "ZEROKIT_PRETRAINED_STREAMING"  # "0": transformers' own ZeRO-3 load

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from zerokit.config.auto import resolve_auto, split_auto
-from zerokit.config.compat import ConfigError, describe
+from zerokit.config.errors import ConfigError, describe
 from zerokit.config.ignored import IGNORED, Ignored, ignored_settings, strip_undeclared
 from zerokit.config.legacy import rename_legacy
 from zerokit.config.refused import REFUSED, Refused, check_refused

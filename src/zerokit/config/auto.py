@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from zerokit.config.compat import ConfigError, without_key
+from zerokit.config.errors import ConfigError, without_key
 
 if TYPE_CHECKING:
     import torch.nn as nn

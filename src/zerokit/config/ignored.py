@@ -153,7 +153,7 @@ def _split(path: str) -> tuple[str, ...]:
 
 
 def _declared(path: tuple[str, ...]) -> bool:
-    from zerokit.config.compat import _model_at
+    from zerokit.config.errors import _model_at
     from zerokit.config.schema import ZeroKitConfig
 
     parent = _model_at(ZeroKitConfig, path)
@@ -198,7 +198,7 @@ def ignored_settings(cfg: "ZeroKitConfig") -> list[tuple[str, Any, str]]:
     nvme = cfg.zero_optimization.offload_optimizer.device == "nvme"
     for path, entry in IGNORED.items():
         if nvme and path == "zero_optimization.sub_group_size":
-            continue  # it sizes the NVMe sub-groups (engine/nvme_executor.py)
+            continue  # it sizes the NVMe sub-groups (parts/nvme_executor.py)
         if path in removed:
             if removed[path] not in entry.honoured:
                 found.append((path, removed[path], entry.reason))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from zerokit.config.compat import ConfigError
+from zerokit.config.errors import ConfigError
 
 
 def _move(section: dict, old: str, new: str, where: str, renamed: list[str],

@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from zerokit.config.ignored import format_ignored, ignored_settings
-from zerokit.utils.logs import log
+from zerokit.logs import log
 
 if TYPE_CHECKING:  # described through its public attributes; importing this imports no engine
     from zerokit.engine.engine import Engine
@@ -24,7 +24,7 @@ def _mib(n: float) -> str:
 
 
 def report_startup(engine: "Engine") -> None:
-    """Rank 0, once per initialize, through the "zerokit" logger (see utils/logs.py): the config
+    """Rank 0, once per initialize, through the "zerokit" logger (see logs.py): the config
     keys accepted and ignored (a warning, with each reason), then the plan."""
     if engine.comm.rank != 0:
         return

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from zerokit.config.compat import without_key
+from zerokit.config.errors import without_key
 
 ISSUE_INFINITY = "ZeRO-Infinity, issue #16"
 

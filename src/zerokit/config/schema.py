@@ -161,7 +161,7 @@ class OffloadOptimizerConfig(_Section):
         1.0, description="Twin-Flow: fraction of each rank's optimizer shard stepped on the host; "
                          "the rest is stepped on the device at the same time.")
     delayed_update: DelayedUpdateConfig = DelayedUpdateConfig()
-    # device "nvme" (ZeRO-Infinity): see engine/nvme_executor.py.
+    # device "nvme" (ZeRO-Infinity): see parts/nvme_executor.py.
     nvme_path: str | None = Field(
         None, description="device 'nvme': the directory the fp32 master, gradient and optimizer state files "
                           "go in (a zerokit-swap/rank<r>-<pid>-<hex> directory of the engine's own under it, "
@@ -205,7 +205,7 @@ class OffloadParamConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = Field(
         "none", description="Stage 3: where each rank's persistent weight shard lives; gathering "
                             "copies it host -> device, then all-gathers (prefetched ahead of use). "
-                            "'nvme': in a file, read into a host buffer first (core/nvme_shard.py).")
+                            "'nvme': in a file, read into a host buffer first (tiers/nvme_shard.py).")
     pin_memory: bool = Field(False, description="Page-locked weight shards (faster copies on CUDA).")
     nvme_path: str | None = Field(
         None, description="device 'nvme': the directory the weight shard files go in (a "
@@ -330,8 +330,8 @@ class PreemptionConfig(_Section):
 
 
 class ActivationCheckpointingConfig(_Section):
-    """DeepSpeed's `activation_checkpointing` section: how zerokit.checkpointing.checkpoint keeps
-    the inputs it saves for recomputation (zerokit/checkpointing/)."""
+    """DeepSpeed's `activation_checkpointing` section: how zerokit.activations.checkpoint keeps
+    the inputs it saves for recomputation (zerokit/activations/)."""
 
     partition_activations: bool = Field(
         False, description="Each rank of the model-parallel group (configure(mpu_)) keeps 1/N of "
@@ -349,7 +349,7 @@ class ActivationCheckpointingConfig(_Section):
                            "forward and backward (a no-op without one).")
     profile: bool = Field(
         False, description="Time every checkpoint's forward and backward; logged at debug and "
-                           "read by zerokit.checkpointing.timings().")
+                           "read by zerokit.activations.timings().")
 
     @model_validator(mode="after")
     def _slots_for_contiguous(self) -> "ActivationCheckpointingConfig":
@@ -374,7 +374,7 @@ class ZeroKitConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     preemption: PreemptionConfig = PreemptionConfig()
     activation_checkpointing: ActivationCheckpointingConfig = Field(
-        ActivationCheckpointingConfig(), description="zerokit.checkpointing.checkpoint's options "
+        ActivationCheckpointingConfig(), description="zerokit.activations.checkpoint's options "
         "(partition_activations, cpu_checkpointing, contiguous_memory_optimization, "
         "number_checkpoints, synchronize_checkpoint_boundary, profile), as DeepSpeed; initialize "
         "applies them as deepspeed.checkpointing.configure(deepspeed_config=...) does.")
@@ -456,7 +456,7 @@ class ZeroKitConfig(_Section):
 
     def resolve_batch(self, world_size: int) -> tuple[int, int, int]:
         """(train_batch_size, micro_batch, grad_accum) by DeepSpeed's rule: any two give the third."""
-        from zerokit.config.compat import ConfigError
+        from zerokit.config.errors import ConfigError
 
         tbs, mbs, gas = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
                          self.gradient_accumulation_steps)

@@ -12,27 +12,27 @@ import torch.nn as nn
 from zerokit.config import load_config, resolve_auto
 from zerokit.config.schema import ZeroKitConfig
 from zerokit.config.plan import report_startup
-from zerokit.core.collectives import Comm
-from zerokit.core.devices import model_device_of
-from zerokit.core.leaf import leaf_parameter_ids
-from zerokit.core.ds_params import attach_ds_views
-from zerokit.core.held_gradient import GradientPool
-from zerokit.core.layout import UnitLayout, plan_layout
-from zerokit.core.unit import Unit
-from zerokit.core.wrap import group_parameters, select_modules
+from zerokit.comm.collectives import Comm
+from zerokit.comm.devices import model_device_of
+from zerokit.units.leaf import leaf_parameter_ids
+from zerokit.units.ds_attributes import attach_ds_views
+from zerokit.parts.held_gradient import GradientPool
+from zerokit.policy.layout import UnitLayout, plan_layout
+from zerokit.units.unit import Unit
+from zerokit.units.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
-from zerokit.engine.executors import HELD_PARTS, DeviceExecutor, HostExecutor
+from zerokit.parts.executors import HELD_PARTS, DeviceExecutor, HostExecutor
 from zerokit.engine import host_budget, nvme_plan
-from zerokit.engine.nvme_executor import NvmeExecutor, StreamSettings, buffer_set_bytes
-from zerokit.engine.optimizer import build_optimizer, recipe_from
+from zerokit.parts.nvme_executor import NvmeExecutor, StreamSettings, buffer_set_bytes
+from zerokit.optim.recipe import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
-from zerokit.engine.schedulers import build_scheduler
+from zerokit.engine.lr_schedules import build_scheduler
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tiers import Ledger
 from zerokit.tiers.host_release import release_free_host_memory
 from zerokit.tiers.nvme import NvmeTier
-from zerokit.utils.logs import configure_logging
+from zerokit.logs import configure_logging
 from zerokit.zero import adopt_constructed, constructed_host_bytes, retire_constructed
 
 
@@ -49,7 +49,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
         raise TypeError(f"model must be a torch.nn.Module (got {type(model).__name__})")
     cfg = resolve_auto(load_config(config if config is not None else config_params), model)
     # Before anything allocates: under a launcher each rank's GPU is its LOCAL_RANK; alone on a
-    # CUDA machine, the GPU the model is on (else cuda:0); see core/devices.py.
+    # CUDA machine, the GPU the model is on (else cuda:0); see comm/devices.py.
     comm = Comm.from_environment(cfg.comm_timeout_s, model_device_of(model))
     configure_logging(comm.rank)
     batch = cfg.resolve_batch(comm.world_size)
@@ -139,19 +139,19 @@ def initialize(model: nn.Module, optimizer: Any = None,
 
 
 def _configure_activation_checkpointing(cfg: ZeroKitConfig, ledger: Ledger) -> None:
-    """zerokit.checkpointing counts kept activations in this engine's ledger, and takes the
+    """zerokit.activations counts kept activations in this engine's ledger, and takes the
     config's activation_checkpointing section where it has one (DeepSpeed's engine does the
     same); a configure() the user made stays otherwise."""
-    from zerokit import checkpointing
+    from zerokit import activations
 
-    checkpointing.use_ledger(ledger)
+    activations.use_ledger(ledger)
     if "activation_checkpointing" in cfg.model_fields_set:
-        checkpointing.configure(None, deepspeed_config=cfg)
+        activations.configure(None, deepspeed_config=cfg)
 
 
 def _layouts(groups: list, comm: Comm, policy: PartitionPolicy, dtype: torch.dtype,
              reduce: torch.dtype, accumulation: int, placement: PlacementPolicy) -> list[UnitLayout]:
-    """Every unit's buffer records under `placement` (core/layout.py; pure, allocates nothing)."""
+    """Every unit's buffer records under `placement` (policy/layout.py; pure, allocates nothing)."""
     layouts, ram_left = [], placement.ram_numel  # the host budget, spent in unit order
     param_ram_left = placement.param_ram_numel  # offload_param.max_in_cpu, the same way
     for _name, _module, _group, trainable, params in groups:
@@ -218,7 +218,7 @@ def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledg
 
 def _lend_gradients(executors: list, ledger: Ledger) -> None:
     """step_in_backward: one pool of HELD_PARTS + 1 buffers of the largest offloaded part for
-    every held gradient ([Note: held gradients] in core/held_gradient.py), counted in the ledger."""
+    every held gradient ([Note: held gradients] in parts/held_gradient.py), counted in the ledger."""
     kernel = [e for e in executors if isinstance(e, HostExecutor)]
     largest = max((p.numel for e in kernel for p in e.shards), default=0)
     pool = GradientPool(largest, HELD_PARTS + 1)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from zerokit.core.unit import WeightState
+from zerokit.units.unit import WeightState
 
 
 class DeepSpeedConfigDict(dict):

@@ -18,20 +18,20 @@ import torch.nn as nn
 
 from zerokit.checkpoint.interface import Fill, SavedOptimizer, SaveState, UnitRecord
 from zerokit.config.schema import ZeroKitConfig
-from zerokit.core.collectives import CollectiveError, Comm, Handle
-from zerokit.core.unit import Unit
-from zerokit.core.lease import ReadLease
-from zerokit.engine import checkpointing
+from zerokit.comm.collectives import CollectiveError, Comm, Handle
+from zerokit.units.unit import Unit
+from zerokit.units.lease import ReadLease
+from zerokit.engine import checkpoint_state
 from zerokit.engine.attachment import Attachment, weakly
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
-from zerokit.engine.executors import HostExecutor
-from zerokit.core.states import EngineFailedError, TrainingState, move
+from zerokit.parts.executors import HostExecutor
+from zerokit.states import EngineFailedError, TrainingState, move
 from zerokit.engine.health import LossWatch, describe_position, handle_nonfinite, reduce_step_scalars
 from zerokit.engine.precision import LossScaler, cast_inputs_half
 from zerokit.engine.preemption import Preemption
 from zerokit.engine.throughput import ThroughputTimer
 from zerokit.policy import PartitionPolicy
-from zerokit.schedule import schedule_for
+from zerokit.gather import schedule_for
 from zerokit.tiers import Ledger
 from zerokit.tiers.host_release import release_free_host_memory
 
@@ -42,7 +42,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def __init__(self, module: nn.Module, config: ZeroKitConfig, comm: Comm, policy: PartitionPolicy,
                  units: list[Unit], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                  ledger: Ledger, batch: tuple[int, int, int], executors: list):
-        """executors: the optimizer executors (engine/executors.py), host ones first."""
+        """executors: the optimizer executors (parts/executors.py), host ones first."""
         super().__init__()
         self.module = module
         self.config = config
@@ -66,7 +66,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.skipped_steps = 0
         self.global_samples = 0
         self.training_dataloader = None  # set by initialize(training_data=...)
-        # An asynchronous save reads the state in place until it releases this (core/lease.py);
+        # An asynchronous save reads the state in place until it releases this (units/lease.py);
         # the units share it, so an edit through GatheredParameters waits for it too.
         self.save_lease = ReadLease()
         for u in units:
@@ -78,7 +78,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._release_when_dropped.atexit = False  # at exit, peers may be gone: no collective waits
         self.executors = executors
         self.nvme_tier = None  # the NVMe tier, when something lives there (set by initialize)
-        self.training_state = TrainingState.IDLE  # see [Note: state machines] (core/states.py)
+        self.training_state = TrainingState.IDLE  # see [Note: state machines] (states.py)
         self._recomputing: nn.Module | None = None  # the outermost module recomputing in backward
         self._reduce_now = False
         # reductions in flight: (handle, bytes, the unit to offer the host executors once it
@@ -229,7 +229,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def _launch_reduce(self, unit: Unit, done: bool = False) -> None:
         """Ranks whose backward took different paths would reduce different units here: each
         reduction carries its unit's index and fails naming both units (see [Note: rank
-        agreement] in core/agreement.py), at the latest when the step settles the checks.
+        agreement] in comm/agreement.py), at the latest when the step settles the checks.
         done: every parameter of the unit got its gradient in this backward (the hook's launch;
         not the end-of-backward one for units some parameter of which got none)."""
         self._track(unit.launch_reduce(), unit, offer=done and self._steps_in_backward)
@@ -330,7 +330,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def _run_optimizer(self, trainable: list[Unit], coef: float) -> None:
         """Every executor steps its parts of the units some rank used, the host parts in a worker
-        while the device parts step (Twin-Flow); see engine/executors.py."""
+        while the device parts step (Twin-Flow); see parts/executors.py."""
         unused = set(self._unused_everywhere(trainable))
         try:
             for executor in self.executors:
@@ -499,19 +499,19 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     # ---- what a checkpoint sees: [Note: checkpoint interface] (checkpoint/interface.py) ---------
     def checkpoint_units(self) -> list[UnitRecord]:
-        return [checkpointing.unit_record(u) for u in self.units]
+        return [checkpoint_state.unit_record(u) for u in self.units]
 
     def state_to_save(self) -> SaveState:
-        return checkpointing.state_to_save(self)
+        return checkpoint_state.state_to_save(self)
 
     def restore_state(self, fill: Fill, optimizer: SavedOptimizer | None) -> None:
-        checkpointing.restore_state(self, fill, optimizer)
+        checkpoint_state.restore_state(self, fill, optimizer)
 
     def training_scalars(self) -> dict[str, Any]:
-        return checkpointing.training_scalars(self)
+        return checkpoint_state.training_scalars(self)
 
     def restore_training_scalars(self, scalars: dict[str, Any], *, optimizer: bool, lr_scheduler: bool) -> None:
-        checkpointing.restore_training_scalars(self, scalars, optimizer=optimizer, lr_scheduler=lr_scheduler)
+        checkpoint_state.restore_training_scalars(self, scalars, optimizer=optimizer, lr_scheduler=lr_scheduler)
 
     # ---- introspection ------------------------------------------------------------------------
     @property

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from zerokit.core.collectives import Comm
-    from zerokit.core.unit import Unit
+    from zerokit.comm.collectives import Comm
+    from zerokit.units.unit import Unit
     from zerokit.engine.engine import Engine
 
 log = logging.getLogger("zerokit")

@@ -46,7 +46,7 @@ _FIELD = {"weights": "weights", "master": "master", "grads": "grads", "buffers":
 
 
 def host_need(layouts: list, optimizer_kind: str | None) -> HostNeed:
-    """The host bytes the units' layouts allocate (core/layout.py records on the host tier), plus
+    """The host bytes the units' layouts allocate (policy/layout.py records on the host tier), plus
     the host parts' optimizer state, allocated at bind; an optimizer of unknown kind is counted
     as Adam (8 bytes per element)."""
     need = HostNeed()

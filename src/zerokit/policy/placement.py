@@ -45,7 +45,7 @@ class PlacementPolicy:
         buffer_size: shards read ahead of their gather, at most this many, each at most this many
         elements (larger shards are read when gathered).
     step_in_backward: offload_optimizer.step_in_backward: the host and NVMe parts of a unit are
-        stepped as soon as backward has reduced its gradient (engine/executors.py); an nvme part's
+        stepped as soon as backward has reduced its gradient (parts/executors.py); an nvme part's
         gradient is then held in host memory until stepped, never written to a file.
     """
 

@@ -1,5 +1,5 @@
-"""deepspeed.checkpointing: zerokit.checkpointing under DeepSpeed's module path (checkpoint,
+"""deepspeed.checkpointing: zerokit.activations under DeepSpeed's module path (checkpoint,
 configure, is_configured, reset, with DeepSpeed's arguments and meaning)."""
-from zerokit.checkpointing import checkpoint, configure, is_configured, reset
+from zerokit.activations import checkpoint, configure, is_configured, reset
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset"]

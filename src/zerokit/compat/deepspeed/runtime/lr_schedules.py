@@ -4,7 +4,7 @@ VALID_LR_SCHEDULES names the classes here; Accelerate checks a scheduler's class
 to tell DeepSpeed's schedules from torch's. DeepSpeed's LRRangeTest and OneCycle are not
 implemented (the config rejects them too).
 """
-from zerokit.engine.schedulers import SCHEDULERS, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zerokit.engine.lr_schedules import SCHEDULERS, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 VALID_LR_SCHEDULES = list(SCHEDULERS)
 

@@ -6,7 +6,7 @@ import logging
 import torch
 
 from zerokit.compat.deepspeed.utils import groups, zero_to_fp32
-from zerokit.core.leaf import get_leaf_modules, is_leaf, set_leaf_modules, unset_leaf_modules
+from zerokit.units.leaf import get_leaf_modules, is_leaf, set_leaf_modules, unset_leaf_modules
 
 # zerokit's logger: DeepSpeed's callers set its level (the HF Trainer does) to control zerokit's output.
 logger = logging.getLogger("zerokit")
@@ -18,7 +18,7 @@ __all__ = ["get_z3_leaf_modules", "groups", "logger", "set_z3_leaf_modules", "un
 def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list) -> list:
     """DeepSpeed: treat modules of these classes (or class names) as one ZeRO-3 unit, gathered
     whole and reduced at the end of backward (MoE blocks whose experts run data-dependently).
-    See [Note: leaf modules] in zerokit/core/leaf.py; mark before initialize."""
+    See [Note: leaf modules] in zerokit/units/leaf.py; mark before initialize."""
     return set_leaf_modules(model, leaf_module_classes)
 
 

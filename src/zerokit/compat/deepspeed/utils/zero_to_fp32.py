@@ -1,10 +1,10 @@
-"""deepspeed.utils.zero_to_fp32 for zerokit checkpoints (zerokit.utils.zero_to_fp32)."""
+"""deepspeed.utils.zero_to_fp32 for zerokit checkpoints (zerokit.checkpoint.zero_to_fp32)."""
 from __future__ import annotations
 
 import torch
 
 from zerokit.checkpoint.consolidate import convert
-from zerokit.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
+from zerokit.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint"]

@@ -14,8 +14,8 @@ from typing import Any, Callable
 import torch
 
 from zerokit.compat.deepspeed.accelerator import get_accelerator
-from zerokit.core.ds_params import ZeroParamStatus
-from zerokit.core.unit import unit_of
+from zerokit.units.ds_attributes import ZeroParamStatus
+from zerokit.units.unit import unit_of
 import zerokit.zero
 from zerokit.zero import GatheredParameters
 

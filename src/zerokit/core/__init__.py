@@ -1,1 +1,0 @@
-"""Core mechanism: units (flat sharded parameter groups), wrapping, collectives, hooks."""

@@ -1,0 +1,136 @@
+"""The host part of a unit's optimizer range: master, state, gradient and output buffers on the
+host tier, stepped by the native kernel. See [Note: optimizer parts] in parts/__init__.py."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+
+from zerokit.policy.layout import OptimizerPart
+from zerokit.parts.held_gradient import HeldGradient
+from zerokit.optim import host as host_kernels
+from zerokit.tiers.tier import CopyHandle, Tier
+
+# States per optimizer family, by the names torch uses (so a later checkpoint can share them).
+STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adagrad": ("sum",), "lion": ("exp_avg",)}
+
+
+class HostPart:
+    """The host part: master, optimizer state, gradient and output buffers on the host tier,
+    stepped by the native kernel (parts/executors.py `HostExecutor`)."""
+
+    tier = "host"
+
+    def __init__(self, unit, span: OptimizerPart, buffers: dict[str, torch.Tensor], host: Tier,
+                 home: torch.Tensor, in_place: bool, pinned: bool):
+        self._unit = weakref.ref(unit)  # the unit holds us: a strong link back would be a cycle
+        self.lo, self.hi = span.lo, span.hi
+        self.master = buffers["host_master"]
+        self.grads = [buffers[n] for n in ("host_grad0", "host_grad1") if n in buffers]
+        # step_in_backward: no gradient buffer between steps, one held while in use
+        self.held = None if self.grads else HeldGradient(self.numel)
+        self.current = 0
+        self.out16 = buffers.get("host_out16")
+        self.staging = buffers.get("host_staging")
+        self.pin = pinned
+        self._home = home  # the compute weights this part's update lands in
+        self.in_place = in_place  # the kernel writes `home` itself (offload_param, no delay)
+        self._tier = host
+        self.state: dict[str, torch.Tensor] = {}
+        self.steps = 0  # host updates applied, the 1-based bias-correction count of the next one
+        self.group = 0  # the optimizer param group whose hyper-parameters apply (bound later)
+        self._staged: list[tuple[CopyHandle, int, int]] = []  # copies in flight
+        self.grad_in_flight: torch.Tensor | None = None  # the buffer the running update reads
+        self.busy = None  # the executor worker that may write master/state (executors.WorkerDone)
+
+    @property
+    def unit(self):
+        return self._unit()
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The buffer the current backward accumulates into and the next step reads."""
+        return self.held.values() if self.held is not None else self.grads[self.current]
+
+    def init_state(self, family: str, fill: float = 0.0) -> None:
+        if self.state:
+            return
+        for key in STATE_NAMES[family]:
+            self.state[key] = self._tier.allocate(f"{self.unit.name}/host_state.{key}",
+                                                  "optimizer_state", self.numel, torch.float32)
+            if fill:
+                self.state[key].fill_(fill)
+
+    # ---- gradients in ------------------------------------------------------------------------
+    def take_grad(self, part: torch.Tensor, offset: int) -> None:
+        """Add a reduced gradient bucket (this rank's, averaged) at `offset` of the host gradient.
+        Adds: the host gradient is zeroed after every step (below stage 2 reduced once: written)."""
+        lo, hi = offset, offset + part.numel()
+        if part.device.type == "cpu":
+            if self.held is not None:
+                self.held.add(part, lo)
+            else:
+                self.grad[lo:hi].add_(part)
+            return
+        if any(a < hi and lo < b for _, a, b in self._staged):
+            self.settle()  # an earlier micro-step's bucket still occupies this staging range
+        self._staged.append((self._tier.copy(self.staging[lo:hi], part), lo, hi))
+
+    def settle(self) -> None:
+        """Finish the device -> host gradient copies in flight (CUDA) and accumulate them."""
+        for done, lo, hi in self._staged:
+            done.synchronize()
+            if self.held is not None:
+                self.held.add(self.staging[lo:hi], lo)
+            else:
+                self.grad[lo:hi].add_(self.staging[lo:hi])
+        self._staged = []
+        if self.held is not None:
+            self.held.settle()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        self.settle()
+        total = (self.held.sq_norm() if self.held is not None else  # taken as pieces landed
+                 host_kernels.grad_sq_norm(self.grad)[0])
+        return torch.tensor(total, dtype=torch.float64, device=self.unit.device)
+
+    def zero_grad(self) -> None:
+        self.settle()
+        if self.held is not None:
+            self.held.clear()
+        else:
+            self.grad.zero_()
+
+    def swap_grads(self) -> None:
+        """Delayed update: the step just launched reads this buffer; backward fills the other
+        (zeroed by the engine's zero_grad at the end of the same step: not twice)."""
+        self.current = (self.current + 1) % len(self.grads)
+
+    # ---- weights out -------------------------------------------------------------------------
+    def wait(self) -> None:
+        if self.busy is not None:
+            self.busy.wait()
+
+    def master_values(self) -> torch.Tensor:
+        self.wait()
+        return self.master
+
+    def write_weights(self) -> None:
+        """The host part's new weights -> the unit's compute weights (its shard or flat range)."""
+        if not self.in_place:
+            src = self.out16 if self.out16 is not None else self.master
+            self._home.copy_(src, non_blocking=self.pin)
+
+    def absorb(self, new: torch.Tensor) -> None:
+        """Compute weights were edited: carry changed elements into the host master."""
+        self.wait()
+        new = new.to("cpu")
+        changed = new != self.master.to(new.dtype)
+        self.master[changed] = new[changed].float()
+        if self.out16 is not None:  # a delayed update's write-back must not undo the edit
+            self.out16[changed] = new[changed].to(self.out16.dtype)

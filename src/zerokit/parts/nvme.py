@@ -1,0 +1,210 @@
+"""The nvme part of a unit's optimizer range: master, optimizer state and gradient in files.
+
+See [Note: optimizer parts] in parts/__init__.py. An `NvmePart` is a HostPart whose fp32 master,
+optimizer state and gradient are `FileRange`s on the nvme tier (tiers/nvme.py) instead of host
+tensors (as DeepSpeed swaps its fp32 gradient partitions); only its new compute-dtype weights
+(`out16`, whatever the dtype; with offload_param and no delay, the host shard itself) stay in
+host memory, so the write-back of the weights is the host part's. The gradient arrives through
+`FileGradient` (below). The streaming executor (parts/nvme_executor.py) steps it a sub-group at
+a time; the few operations that need the whole master (an edit under GatheredParameters,
+`full_master`) read it whole, one part at a time.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerokit.policy.layout import OptimizerPart
+from zerokit.parts.held_gradient import host_buffer
+from zerokit.tiers.nvme_shard import FileHome
+from zerokit.parts.host import STATE_NAMES, HostPart
+from zerokit.io.aio import wait_all
+from zerokit.optim import host as host_kernels
+from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
+from zerokit.tiers.tier import Tier
+
+
+def read_range(nvme: NvmeTier, rng: FileRange) -> torch.Tensor:
+    out = host_buffer(rng.numel, rng.dtype)
+    nvme.read(rng, out).wait()
+    return out
+
+
+def fill_range(nvme: NvmeTier, rng: FileRange, values: torch.Tensor | float) -> None:
+    """The file range <- values (a tensor of its length, or one number)."""
+    buf = host_buffer(rng.numel, rng.dtype)
+    if isinstance(values, torch.Tensor):
+        buf.copy_(values)
+    else:
+        buf.fill_(values)
+    nvme.write(rng, buf).wait()
+
+
+# Gradient bytes copied out of the reduction's buckets whose writes may be in flight at once.
+GRAD_WRITES_IN_FLIGHT_BYTES = 64 << 20
+
+
+class FileGradient:
+    """A part's fp32 gradient in its file range, written as reduced pieces arrive.
+
+    [Note: gradients on NVMe]
+    A piece is copied out of the reduction's bucket into a host buffer and written
+    asynchronously (at most GRAD_WRITES_IN_FLIGHT_BYTES in flight). The file is not zeroed
+    after a step: `clear()` forgets what was written, a piece landing on elements already written
+    since (gradient accumulation) is read, added to and written back, and elements no piece
+    reached are written as zeros before the step reads them (`zero_unwritten`). The sum of squares
+    is taken from each piece as it is written (float64), so the norm costs no second read; only
+    after an accumulation that re-cut earlier pieces is the file read to recompute it.
+    """
+
+    def __init__(self, nvme: NvmeTier, rng: FileRange):
+        self.nvme, self.range = nvme, rng
+        self._writes: list[tuple[NvmeHandle, torch.Tensor]] = []  # in flight, with their buffers
+        self._written: dict[tuple[int, int], float] = {}  # [lo, hi) since clear -> sum of squares
+        self._exact = True  # the sums above cover exactly what the file holds
+
+    def add(self, piece: torch.Tensor, offset: int) -> None:
+        lo, hi = offset, offset + piece.numel()
+        buf = host_buffer(hi - lo)
+        buf.copy_(piece)
+        overlapped = [r for r in self._written if r[0] < hi and lo < r[1]]
+        if overlapped:  # accumulation: the earlier value of these elements, plus this piece
+            self.settle()
+            earlier = read_range(self.nvme, self.range.narrow(lo, hi - lo))
+            for gap_lo, gap_hi in _gaps(lo, hi, overlapped):  # never written since clear: zero
+                earlier[gap_lo - lo:gap_hi - lo] = 0.0
+            buf.add_(earlier)
+            for a, b in overlapped:  # what lies outside this piece stays written
+                del self._written[(a, b)]
+                for rest in ((a, lo), (hi, b)):
+                    if rest[0] < rest[1]:
+                        self._written[rest] = 0.0  # its share of the sum is unknown now
+                        self._exact = False
+        self._written[(lo, hi)] = host_kernels.grad_sq_norm(buf)[0]  # the host part's kernel
+        self._writes.append((self.nvme.write(self.range.narrow(lo, hi - lo), buf), buf))
+        while sum(b.numel() * 4 for _, b in self._writes) > GRAD_WRITES_IN_FLIGHT_BYTES:
+            self._writes.pop(0)[0].wait()
+
+    def settle(self) -> None:
+        """Every write in flight has ended (the first failure raised after all of them)."""
+        writes, self._writes = self._writes, []
+        wait_all(handle for handle, _ in writes)
+
+    def sq_norm(self) -> float:
+        self.settle()
+        if self._exact:
+            return sum(self._written.values())
+        total = 0.0
+        for lo, hi in self._written:
+            total += host_kernels.grad_sq_norm(read_range(self.nvme, self.range.narrow(lo, hi - lo)))[0]
+        return total
+
+    def zero_unwritten(self) -> None:
+        """Elements no piece reached since `clear` hold a stale gradient: write zeros there."""
+        for lo, hi in _gaps(0, self.range.numel, list(self._written)):
+            fill_range(self.nvme, self.range.narrow(lo, hi - lo), 0.0)
+            self._written[(lo, hi)] = 0.0
+        self.settle()
+
+    def clear(self) -> None:
+        self.settle()
+        self._written = {}
+        self._exact = True
+
+
+def _gaps(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The sub-ranges of [lo, hi) outside every range in `covered`."""
+    out, at = [], lo
+    for a, b in sorted(covered):
+        if a > at:
+            out.append((at, min(a, hi)))
+        at = max(at, b)
+        if at >= hi:
+            break
+    if at < hi:
+        out.append((at, hi))
+    return [(a, b) for a, b in out if a < b]
+
+
+class NvmePart(HostPart):
+    tier = "nvme"
+
+    def __init__(self, unit, span: OptimizerPart, buffers: dict, host: Tier, nvme: NvmeTier,
+                 home: torch.Tensor, in_place: bool, pinned: bool):
+        names = {"host_master": "nvme_master", "host_grad0": "nvme_grad0", "host_grad1": "nvme_grad1",
+                 "host_out16": "nvme_out"}
+        super().__init__(unit, span, {k: buffers[v] for k, v in names.items() if v in buffers},
+                         host, home, in_place=in_place, pinned=pinned)
+        self.nvme = nvme
+        self.master: FileRange
+        # one gradient file, two with the delayed update (the stream reads one, backward writes
+        # the other; HostPart.swap_grads flips `current`); none with step_in_backward: held
+        self.gradients = [FileGradient(nvme, g) for g in self.grads] if self.grads else [self.held]
+        # A weight shard on NVMe (offload_param device 'nvme'): no 16-bit copy of the part in RAM;
+        # the stream writes each sub-group's new weights to the shard's file (`out_file`).
+        self.out_file = home.range if self.out16 is None and isinstance(home, FileHome) else None
+        self.streamed = False  # the running / last stream wrote the new weights to out_file
+
+    # ---- gradients in: a file (see [Note: gradients on NVMe]) -----------------------------------
+    @property
+    def gradient(self) -> FileGradient:
+        """The gradient the current backward writes and the next step reads."""
+        return self.gradients[self.current]
+
+    @property
+    def grad(self):
+        """What the step reads: the gradient's file range, or the held gradient itself (the
+        stream takes its sub-groups' values there, see parts/nvme_executor.py)."""
+        return self.gradient.range
+
+    def gradient_in_flight(self) -> "FileGradient | HeldGradient":
+        """The gradient the running (or launching) stream reads."""
+        return next(g for g in self.gradients if g.range is self.grad_in_flight)
+
+    def take_grad(self, part: torch.Tensor, offset: int) -> None:
+        self.gradient.add(part, offset)
+
+    def settle(self) -> None:
+        self.gradient.settle()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return torch.tensor(self.gradient.sq_norm(), dtype=torch.float64, device=self.unit.device)
+
+    def zero_grad(self) -> None:
+        self.gradient.clear()
+
+    def init_state(self, family: str, fill: float = 0.0) -> None:
+        """The optimizer state files (zero-filled when reserved: DeepSpeed's fast_init)."""
+        if self.state:
+            return
+        for key in STATE_NAMES[family]:
+            self.state[key] = self.nvme.allocate(f"{self.unit.name}/nvme_state.{key}",
+                                                 "optimizer_state", self.numel, torch.float32)
+            if fill:
+                fill_range(self.nvme, self.state[key], fill)
+
+    def master_values(self) -> torch.Tensor:
+        self.wait()  # a delayed stream may still write the file
+        return read_range(self.nvme, self.master)
+
+    def write_weights(self) -> None:
+        if self.out_file is None:
+            return super().write_weights()
+        if self.streamed:  # the stream wrote them: only a read-ahead buffer may be stale now
+            self.streamed = False
+            self._home.written_elsewhere()
+        else:  # a load: the masters, rounded, to the file
+            self._home.copy_(self.master_values())
+
+    def absorb(self, new: torch.Tensor) -> None:
+        """Compute weights were edited: carry changed elements into the master file."""
+        self.wait()
+        new = new.to("cpu")
+        master = read_range(self.nvme, self.master)
+        changed = new != master.to(new.dtype)
+        if bool(changed.any()):
+            master[changed] = new[changed].float()
+            self.nvme.write(self.master, master).wait()
+        if self.out16 is not None:
+            self.out16[changed] = new[changed].to(self.out16.dtype)
+        else:  # the file is the only 16-bit copy
+            self._home.copy_(new)

@@ -1,0 +1,242 @@
+"""The streaming NVMe executor: ZeRO-Infinity's optimizer step over the nvme parts.
+
+[Note: streaming the optimizer]
+Each unit's nvme part (parts/nvme.py) keeps its fp32 master, optimizer state and gradient in
+files (the gradient held in host memory instead with step_in_backward, parts/held_gradient.py) and
+its new weights in host memory (in its shard's file when that is on NVMe). The step cuts every
+stepped part into sub-groups of `sub_group_size` elements and streams them through `buffer_count`
+host buffer sets (a master, a gradient unless held, a 16-bit output when weights go to files, and
+one buffer per state tensor each): sub-group j uses set j % buffer_count. For
+sub-group i:
+    read    i + 1 .. i + ahead are already being read (pipeline_read; ahead = buffer_count - 2,
+            leaving one set for the write of i - 1), or i is read now (no pipeline_read)
+    update  the fused host kernel (the one HostExecutor runs: parts/executors.py kernel_for)
+            on the set's master, state and gradient, writing the new weights
+            into the part's `out16` slice (for fp32 compute, a copy of the new master); where
+            the unit's weight shard is a file, into the set's own 16-bit buffer, written to that
+            file with the rest of the sub-group (no 16-bit copy of the part stays in RAM)
+    write   master and state go back to their file ranges; waited when the set is needed again
+            (pipeline_write) or at once
+The kernel and the arithmetic are those of the host part, so a run with the optimizer on NVMe gives
+the weights a run with it in host memory gives, bit for bit. The stream runs on the host
+executor's worker thread (the executor is a HostExecutor whose `_run` streams): joined in
+`finish`, or, with the delayed update, at the next step's `before_step`, so that it overlaps that
+step's forward and backward (each part then has two gradient files: the stream reads one while
+backward writes the other). The I/O engine's own threads overlap the kernel.
+
+The engine counts each step's NVMe I/O, the stream's and the weights' (Engine._record_io); the
+stream's own wall time is `stream_s`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from zerokit.parts.nvme import NvmePart
+from zerokit.parts.held_gradient import HeldGradient, host_buffer
+from zerokit.parts.host import STATE_NAMES
+from zerokit.parts.executors import HostExecutor, PartFeed
+from zerokit.io.aio import wait_all
+from zerokit.policy import PlacementPolicy
+from zerokit.tiers.nvme import NvmeHandle, NvmeTier
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSettings:
+    """offload_optimizer's nvme keys and zero_optimization.sub_group_size."""
+
+    sub_group_size: int
+    buffer_count: int = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    gradients_in_files: bool = True  # False with step_in_backward: held in host memory instead
+    weights_in_files: bool = False  # offload_param device 'nvme': new 16-bit weights go to files
+
+    @property
+    def read_ahead(self) -> int:
+        """Sub-groups read beyond the one updating."""
+        if not self.pipeline_read:
+            return 0
+        return max(1, self.buffer_count - 2) if self.pipeline_write else self.buffer_count - 1
+
+
+@dataclasses.dataclass
+class _View:
+    """What a kernel step function reads of a part (see executors.kernel_for), for one sub-group."""
+
+    master: torch.Tensor
+    grad_in_flight: torch.Tensor
+    state: dict
+    out16: torch.Tensor | None
+    steps: int
+
+
+class _BufferSet:
+    def __init__(self, numel: int, names: tuple[str, ...], with_grad: bool,
+                 out_dtype: torch.dtype | None):
+        self.master = host_buffer(numel)
+        # read only, never written back; none where the kernel reads a held gradient
+        self.grad = host_buffer(numel) if with_grad else None
+        # a sub-group's new 16-bit weights on their way to a shard file (weights on NVMe)
+        self.out16 = host_buffer(numel, out_dtype) if out_dtype is not None else None
+        self.state = {k: host_buffer(numel) for k in names}
+        self.reads: list[NvmeHandle] = []
+        self.writes: list[NvmeHandle] = []
+
+    @property
+    def nbytes(self) -> int:
+        out = 0 if self.out16 is None else self.out16.numel() * self.out16.element_size()
+        return (1 + (self.grad is not None) + len(self.state)) * self.master.numel() * 4 + out
+
+    def wait_writes(self) -> None:
+        """Every write of the set has ended when this returns, the first failure raised after:
+        one left in flight would fail again later, in whatever waits for the I/O engine."""
+        writes, self.writes = self.writes, []
+        wait_all(writes)
+
+
+class NvmeExecutor(HostExecutor):
+    """Steps every unit's nvme part, streaming sub-groups (see [Note: streaming the optimizer]).
+
+    The host executor's machinery (parts/executors.py: the worker thread, its states, the
+    delayed update and its write-back) with `_run` streaming the parts from their files.
+    """
+
+    tier = "nvme"
+
+    def __init__(self, units: list, nvme: NvmeTier, settings: StreamSettings, ledger,
+                 placement: PlacementPolicy):
+        super().__init__(units, placement)
+        self.nvme, self.settings, self.ledger = nvme, settings, ledger
+        self._sets: list[_BufferSet] = []
+        self.stream_s = 0.0  # the last stream's wall time
+
+    @property
+    def parts(self) -> list[NvmePart]:
+        return self.shards
+
+    def set_bytes(self) -> int:
+        """Host bytes of the buffer sets (what the host budget counts for the stream)."""
+        return buffer_set_bytes(self.settings, self.family, max((p.numel for p in self.parts), default=0))
+
+    def _run(self, feed: PartFeed, groups: list[dict], coef: float) -> None:
+        """On the worker thread: the stream, timed."""
+        start = time.perf_counter()
+        try:
+            self._stream(feed, groups, coef)
+        except BaseException:
+            self._drain()
+            raise
+        self.stream_s = time.perf_counter() - start
+
+    def close(self) -> None:
+        """The engine is released: the update in flight ends, the swap files are removed."""
+        super().close()
+        self._sets = []
+        self.nvme.close()
+
+    # ---- streaming ---------------------------------------------------------------------------
+    def _buffer_sets(self, numel: int) -> list[_BufferSet]:
+        if not self._sets or self._sets[0].master.numel() < numel:
+            # 16-bit weights to files: the shard files' dtype (fp32 compute writes the master)
+            out = next((p.out_file.dtype for p in self.parts if p.out_file is not None
+                        and p.out_file.dtype != torch.float32), None)
+            self._sets = [_BufferSet(numel, STATE_NAMES[self.family], self.settings.gradients_in_files,
+                                     out) for _ in range(self.settings.buffer_count)]
+            self.ledger.hold_bytes("nvme_executor/buffer_sets", "buffers", "host",
+                                   sum(b.nbytes for b in self._sets))
+        return self._sets
+
+    def _stream(self, feed: PartFeed, groups: list[dict], coef: float) -> None:
+        size = self.settings.sub_group_size
+        subs: list[tuple[NvmePart, int, int]] = []  # the feed's parts cut into sub-groups so far
+        taken = 0  # parts of the feed cut so far
+
+        def sub(j: int, wait: bool):
+            """Sub-group j, cutting the feed's next parts as needed; None if there is none (yet)."""
+            nonlocal taken
+            while j >= len(subs):
+                s = feed.get(taken, wait)
+                if s is None:
+                    return None
+                taken += 1
+                s.gradient_in_flight().zero_unwritten()
+                subs.extend((s, lo, min(size, s.numel - lo)) for lo in range(0, s.numel, size))
+            return subs[j]
+
+        if sub(0, wait=True) is None:
+            return
+        sets = self._buffer_sets(min(size, max(p.numel for p in self.parts)))
+        count, ahead = len(sets), self.settings.read_ahead
+        read_next = 0
+
+        def submit_read(j: int) -> None:
+            s, lo, n = subs[j]
+            b = sets[j % count]
+            b.wait_writes()  # the set's previous sub-group is on disk before we overwrite it
+            b.reads = [self.nvme.read(s.master.narrow(lo, n), b.master[:n])]
+            if not isinstance(s.grad_in_flight, HeldGradient):  # held: the kernel reads it there
+                b.reads.append(self.nvme.read(s.grad_in_flight.narrow(lo, n), b.grad[:n]))
+            b.reads += [self.nvme.read(s.state[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
+
+        i = 0
+        while sub(i, wait=True) is not None:
+            # sub-group i itself, then those already known up to `ahead` beyond (never waiting
+            # for backward to offer more: the next loop reads them)
+            while read_next <= i + ahead and sub(read_next, wait=read_next == i) is not None:
+                submit_read(read_next)
+                read_next += 1
+            s, lo, n = subs[i]
+            b = sets[i % count]
+            for h in b.reads:
+                h.wait()
+            b.reads = []
+            self._update(s, lo, n, b, groups[s.group], coef)
+            b.writes = [self.nvme.write(s.master.narrow(lo, n), b.master[:n])]
+            b.writes += [self.nvme.write(s.state[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
+            if s.out_file is not None:  # the new weights straight to the shard's file
+                new = b.master if s.out_file.dtype == torch.float32 else b.out16
+                b.writes.append(self.nvme.write(s.out_file.narrow(lo, n), new[:n]))
+                s.streamed = True
+            if not self.settings.pipeline_write:
+                b.wait_writes()
+            if lo + n == s.numel:  # the part's last sub-group: its held gradient is spent
+                if s.held is not None:
+                    s.held.release()
+                feed.finished()
+            i += 1
+        for b in sets:
+            b.wait_writes()
+
+    def _update(self, s: NvmePart, lo: int, n: int, b: _BufferSet, group: dict,
+                coef: float) -> None:
+        if s.out16 is not None:
+            out = s.out16[lo:lo + n]
+        else:  # weights on NVMe: the set's buffer, written to the file after (None: fp32)
+            out = b.out16[:n] if b.out16 is not None else None
+        sixteen = out is not None and out.dtype != torch.float32
+        held = s.grad_in_flight if isinstance(s.grad_in_flight, HeldGradient) else None
+        view = _View(b.master[:n], held.values(lo, n) if held is not None else b.grad[:n],
+                     {k: v[:n] for k, v in b.state.items()}, out if sixteen else None, s.steps)
+        self._step_fn(view, group, coef)
+        if out is not None and not sixteen:  # fp32 compute: the new weights are the new master
+            out.copy_(view.master)
+
+    def _drain(self) -> None:
+        for b in self._sets:
+            for h in b.reads + b.writes:
+                try:
+                    h.wait()
+                except OSError:
+                    pass
+            b.reads, b.writes = [], []
+
+
+def buffer_set_bytes(settings: StreamSettings, family: str | None, largest_part: int) -> int:
+    """Host bytes of the stream's buffer sets: buffer_count x (master + gradient + state) x a
+    sub-group (no gradient where gradients are held, not in files)."""
+    states = len(STATE_NAMES.get(family or "adam", ("a", "b")))
+    per_element = 4 * (1 + settings.gradients_in_files + states) + 2 * settings.weights_in_files
+    return settings.buffer_count * per_element * min(settings.sub_group_size, largest_part)

@@ -1,0 +1,173 @@
+"""A stage-3 weight shard on NVMe: the file that holds it and the host buffer it is read through.
+
+[Note: weight shards on NVMe]
+With offload_param device 'nvme' a unit's compute-dtype shard (the `shard` record, policy/layout.py)
+is a file range on the nvme tier, and the unit's `shard` tensor is a host buffer (the
+`shard_buffer` record) whose storage exists only while the values pass through it to a gather:
+its untyped storage is resized to 0 bytes and back, as stage 3 does with `flat`. The buffer is
+    EMPTY     no storage; the file holds the values
+    READING   a read of the file into it is in flight (the scheduler's read-ahead, or a gather)
+    RESIDENT  it holds the file's values, until the gather has copied them (`drop_clean`)
+Writers never go through the buffer: the optimizer parts' `home` is a `FileHome`, a view of the
+file with a tensor's `copy_`, so a host or nvme part writes its new weights from the host buffer
+the kernel wrote them in (out16, or the fp32 master) straight to the file, asynchronously, and a
+device part's are staged through a temporary host copy and written at once. The writes are
+waited at the end of the step (`settle`, from Unit.wait_weights) and before any read of the file;
+the step therefore holds no copy of the shards in host memory. Every wait on the file raises
+AioError naming the file (a deleted one: "opening", a truncated one: "short file").
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
+
+
+class ShardResidency(enum.Enum):
+    EMPTY = "empty"
+    READING = "reading"
+    RESIDENT = "resident"
+
+
+class FileHome:
+    """Elements of a weight shard's file, written like a tensor: `home.copy_(src)` (a part's
+    write-back), `home[a:b]` (a part's piece of the shard)."""
+
+    def __init__(self, shard: "NvmeShard", rng: FileRange):
+        self._shard, self.range = shard, rng
+
+    def __getitem__(self, index: slice) -> "FileHome":
+        start, stop, step = index.indices(self.range.numel)
+        if step != 1:
+            raise ValueError("a FileHome is sliced contiguously")
+        return FileHome(self._shard, self.range.narrow(start, max(0, stop - start)))
+
+    def numel(self) -> int:
+        return self.range.numel
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> "FileHome":
+        self._shard.write(self.range, src)
+        return self
+
+    def written_elsewhere(self) -> None:
+        """The file's elements were written without `copy_` (the NVMe stream): a buffer holding
+        the old values is stale."""
+        self._shard.drop_stale()
+
+
+class NvmeShard:
+    """One unit's weight shard file and its host buffer (see [Note: weight shards on NVMe])."""
+
+    def __init__(self, nvme: NvmeTier, file: FileRange, buffer: torch.Tensor, ledger):
+        self.nvme, self.file, self.buffer, self.ledger = nvme, file, buffer, ledger
+        self._nbytes = buffer.untyped_storage().nbytes()
+        self._read: NvmeHandle | None = None
+        self._writes: list[tuple[NvmeHandle, torch.Tensor]] = []  # with the source they read
+        self._release = ledger.transient("buffers", buffer, tier="host")
+        self.residency = ShardResidency.RESIDENT
+        self.home = FileHome(self, file)
+
+    # ---- reads, through the host buffer ------------------------------------------------------
+    @property
+    def in_host_memory(self) -> bool:
+        """The buffer holds storage (a read ahead, or values on their way to a gather)."""
+        return self.residency is not ShardResidency.EMPTY
+
+    def fetch(self) -> None:
+        """Start reading the file into the buffer (the first level of the stage-3 prefetch)."""
+        if self.residency is not ShardResidency.EMPTY:
+            return
+        self.settle()  # the last step's writes land before the file is read
+        storage = self.buffer.untyped_storage()
+        if storage.nbytes() != self._nbytes:
+            storage.resize_(self._nbytes)
+            self._release = self.ledger.transient("buffers", self.buffer, tier="host")
+        self._read = self.nvme.read(self.file, self.buffer)
+        self.residency = ShardResidency.READING
+
+    def ready(self) -> torch.Tensor:
+        """The buffer, holding the file's values (waits for the read in flight, or reads now)."""
+        self.fetch()
+        if self.residency is ShardResidency.READING:
+            handle, self._read = self._read, None
+            try:
+                handle.wait()
+            except BaseException:
+                self._free()  # the values are not in the buffer: read again next time
+                raise
+            self.residency = ShardResidency.RESIDENT
+        return self.buffer
+
+    def drop_stale(self) -> None:
+        """Someone else wrote the file: the buffer's values (or a read in flight) are old."""
+        if self.residency is ShardResidency.READING:
+            self.ready()
+        if self.residency is ShardResidency.RESIDENT:
+            self._free()
+
+    def drop_clean(self) -> None:
+        """Free the buffer once a gather copied it (the file holds its values)."""
+        if self.residency is ShardResidency.RESIDENT:
+            self._free()
+
+    def _free(self) -> None:
+        self.buffer.untyped_storage().resize_(0)
+        if self._release is not None:
+            self._release()
+            self._release = None
+        self.residency = ShardResidency.EMPTY
+
+    # ---- writes, straight to the file --------------------------------------------------------
+    def write(self, rng: FileRange, src: torch.Tensor) -> None:
+        """File elements `rng` <- src (converted to the shard's dtype as a tensor copy_ would).
+        A contiguous host tensor of that dtype is written asynchronously (it must not change
+        until `settle`: the parts' out16 and masters do not before the next step); anything else
+        is staged through a temporary host copy and written at once, so no staging outlives it."""
+        if rng.numel == 0:
+            return
+        if self.residency is ShardResidency.READING:  # a read in flight must not race the write
+            self.ready()
+        # The buffer's own values going to the file (construction) keep it current; any other
+        # write leaves it stale, so it goes.
+        own = (self.residency is ShardResidency.RESIDENT
+               and src.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
+        if self.residency is ShardResidency.RESIDENT and not own:
+            self._free()
+        src = src.detach().reshape(-1)
+        direct = src.device.type == "cpu" and src.dtype == rng.dtype and src.is_contiguous()
+        if not direct:
+            src = src.to(device="cpu", dtype=rng.dtype).contiguous()
+        handle = self.nvme.write(rng, src)
+        if direct and not own:
+            self._writes.append((handle, src))
+        else:
+            handle.wait()
+
+    def write_values(self, values: torch.Tensor) -> None:
+        """The whole file <- values, synchronously."""
+        self.write(self.file, values)
+        self.settle()
+
+    def settle(self) -> None:
+        """The writes in flight land (the end of a step, before a read)."""
+        writes, self._writes = self._writes, []
+        error = None
+        for handle, _src in writes:
+            try:
+                handle.wait()
+            except OSError as e:  # wait for every write before raising the first failure
+                error = error or e
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Waits for I/O in flight (errors dropped: the file is going) and frees the buffer."""
+        for handle in [h for h, _ in self._writes] + ([self._read] if self._read else []):
+            try:
+                handle.wait()
+            except OSError:
+                pass
+        self._writes, self._read = [], None
+        self._free()

@@ -1,1 +1,0 @@
-"""Helpers for users' scripts (DeepSpeed's names)."""
