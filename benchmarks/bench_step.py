@@ -4,6 +4,7 @@
     flock /tmp/zk-heavy.lock .venv/bin/python benchmarks/bench_step.py            # every default row
     python benchmarks/bench_step.py --only ddp,ds-z2,zk-z2 --steps 20
     python benchmarks/bench_step.py --zero3                                       # + the ZeRO-3 rows
+    python benchmarks/bench_step.py --compare HEAD~1 --rounds 3   # zerokit rows: this tree vs HEAD~1
 
 Each row is launched as its own `torchrun --standalone --nproc-per-node N` job (N=2 gloo ranks on
 this CPU, one intra-op thread per rank) that trains the demo GPT (6 layers, width 512, seq 256,
@@ -86,6 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="seed of the model init and the data")
     p.add_argument("--row-timeout", type=float, default=1200.0, help="seconds before a row is killed")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_step-<time>.json)")
+    p.add_argument("--compare", default=None, metavar="REV",
+                   help="run the zerokit rows against this tree and git revision REV, alternating "
+                        "(benchmarks/_compare.py); default rows: zk-z1, zk-z2, zk-z3")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of --compare (default 2)")
     # internal: a rank of one row, started by torchrun from the parent
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
@@ -259,6 +264,7 @@ def setup_zerokit(args, rec, stage):
     if not hasattr(zerokit, "initialize"):
         raise NotAvailable("zerokit has no initialize() yet")
     rec["zerokit_config"] = zerokit_config(args, stage)
+    rec["zerokit_file"] = zerokit.__file__  # which tree the row ran (--compare checks it)
     rec["rss_baseline_mb"] = C.current_rss_mb()
     model = _build_model(args)
     # zerokit initializes torch.distributed itself from torchrun's env vars (as deepspeed does).
@@ -365,14 +371,14 @@ def _forwarded_args(args) -> list[str]:
             "--micro-batch", str(args.micro_batch), "--seed", str(args.seed)]
 
 
-def run_row(name: str, args, log_dir: Path) -> dict:
+def run_row(name: str, args, log_dir: Path, extra_env: dict[str, str] | None = None) -> dict:
     family, stage, label = ROWS[name]
     res: dict = {"row": name, "label": label, "family": family, "stage": stage}
     with tempfile.TemporaryDirectory(prefix=f"zk-bench-{name}-") as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
                f"--nproc-per-node={args.nproc}", str(Path(__file__).resolve()),
                "--worker", name, "--result-dir", tmp, *_forwarded_args(args)]
-        env = {**os.environ, **WORKER_ENV}
+        env = {**os.environ, **WORKER_ENV, **(extra_env or {})}
         log_path = log_dir / f"bench_step-{name}.log"
         res["loadavg_before"] = list(os.getloadavg())
         t0 = C.now()
@@ -475,6 +481,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return run_worker(args)
+    if args.compare:
+        return main_compare(args)
     names = resolve_rows(args)
     machine = C.machine_info()
     setup = {"model": {"n_layer": args.layers, "n_embd": args.width, "n_head": args.heads,
@@ -512,6 +520,31 @@ def main(argv=None) -> int:
                                        "machine": machine, "rows": results, "table": table}, args.out)
     print(f"\nwrote {path}")
     return 0 if all(r["status"] != "error" for r in results.values()) else 1
+
+
+def main_compare(args) -> int:
+    from _compare import compare
+
+    names = resolve_rows(args) if args.only else ["zk-z1", "zk-z2", "zk-z3"]
+    others = [n for n in names if ROWS[n][0] != "zerokit"]
+    if others:
+        raise SystemExit(f"--compare runs zerokit rows only (the peers do not change between trees): "
+                         f"drop {', '.join(others)}")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    log_dir = C.RESULTS_DIR / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"bench_step --compare {args.compare}: {', '.join(names)} x {args.rounds} rounds, "
+          f"{args.nproc} gloo ranks, GPT {args.layers}x{args.width} seq {args.seq}", flush=True)
+    table, payload = compare(args.compare, names, args.rounds,
+                             lambda name, env: run_row(name, args, log_dir, env))
+    print()
+    print(table)
+    path = C.write_json("bench_step-compare", {"benchmark": "bench_step --compare", "argv": sys.argv[1:],
+                                               "machine": C.machine_info(), **payload, "table": table},
+                        args.out)
+    print(f"\nwrote {path}")
+    return 0 if not payload["failures"] else 1
 
 
 if __name__ == "__main__":
