@@ -117,10 +117,6 @@ class NvmeExecutor(HostExecutor):
     def parts(self) -> list[NvmePart]:
         return self.shards
 
-    def set_bytes(self) -> int:
-        """Host bytes of the buffer sets (what the host budget counts for the stream)."""
-        return buffer_set_bytes(self.settings, self.family, max((p.numel for p in self.parts), default=0))
-
     def _run(self, feed: PartFeed, groups: list[dict], coef: float) -> None:
         """On the worker thread: the stream, timed."""
         start = time.perf_counter()

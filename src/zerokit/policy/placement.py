@@ -112,12 +112,6 @@ class PlacementPolicy:
             return "host" if shard_numel <= param_ram_left else "nvme"
         return "host" if self.params_on_host else "device"
 
-    def tier(self, piece: str, host_part: bool) -> str:
-        """The ledger tier of `piece` ('master', 'optimizer_state', 'grads') for one part."""
-        if piece not in ("master", "optimizer_state", "grads"):
-            raise ValueError(f"placement covers master, optimizer_state and grads, not {piece!r}")
-        return "host" if host_part else "device"
-
     def describe_params(self) -> str:
         if self.params_on_nvme:
             return (f"offload_param: weight shards on NVMe (ZeRO-Infinity), read ahead into up to "
