@@ -15,6 +15,7 @@ import torch
 
 from zerokit.policy.layout import OptimizerPart
 from zerokit.parts.held_gradient import host_buffer
+from zerokit.parts.ranges import uncovered
 from zerokit.tiers.nvme_shard import FileHome
 from zerokit.parts.host import STATE_NAMES, HostPart
 from zerokit.io.aio import wait_all
@@ -70,7 +71,7 @@ class FileGradient:
         if overlapped:  # accumulation: the earlier value of these elements, plus this piece
             self.settle()
             earlier = read_range(self.nvme, self.range.narrow(lo, hi - lo))
-            for gap_lo, gap_hi in _gaps(lo, hi, overlapped):  # never written since clear: zero
+            for gap_lo, gap_hi in uncovered(lo, hi, overlapped):  # never written since clear: zero
                 earlier[gap_lo - lo:gap_hi - lo] = 0.0
             buf.add_(earlier)
             for a, b in overlapped:  # what lies outside this piece stays written
@@ -100,7 +101,7 @@ class FileGradient:
 
     def zero_unwritten(self) -> None:
         """Elements no piece reached since `clear` hold a stale gradient: write zeros there."""
-        for lo, hi in _gaps(0, self.range.numel, list(self._written)):
+        for lo, hi in uncovered(0, self.range.numel, list(self._written)):
             fill_range(self.nvme, self.range.narrow(lo, hi - lo), 0.0)
             self._written[(lo, hi)] = 0.0
         self.settle()
@@ -109,20 +110,6 @@ class FileGradient:
         self.settle()
         self._written = {}
         self._exact = True
-
-
-def _gaps(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The sub-ranges of [lo, hi) outside every range in `covered`."""
-    out, at = [], lo
-    for a, b in sorted(covered):
-        if a > at:
-            out.append((at, min(a, hi)))
-        at = max(at, b)
-        if at >= hi:
-            break
-    if at < hi:
-        out.append((at, hi))
-    return [(a, b) for a, b in out if a < b]
 
 
 class NvmePart(HostPart):
