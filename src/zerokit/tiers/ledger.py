@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from zerokit.sizes import mib
+
 TIERS = ("device", "host", "nvme")
 KINDS = ("weights", "grads", "master", "optimizer_state", "buffers", "activations")
 
@@ -103,10 +105,6 @@ class Ledger:
         for tier, kinds in rows.items():
             if not any(kinds.values()):
                 continue
-            lines.append(f"{tier:<8}" + "".join(f"{_mib(v):>17}" for v in kinds.values())
-                         + f"{_mib(sum(kinds.values())):>12}")
+            lines.append(f"{tier:<8}" + "".join(f"{mib(v, grouped=False):>17}" for v in kinds.values())
+                         + f"{mib(sum(kinds.values()), grouped=False):>12}")
         return "\n".join(lines)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
