@@ -71,12 +71,11 @@ def state_to_save(engine: "Engine") -> SaveState:
     host = engine.offload or next(iter(engine.kernel_executors), None)
     # [Note: delayed update in checkpoints]
     in_use = any(e.pending_write_back for e in engine.kernel_executors)
-    rank = engine.comm.rank
     pieces: list[SavePiece] = []
     optim_keys: dict[str, list[str]] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for u in engine.units:
-        lo, hi = rank * u.shard_numel, (rank + 1) * u.shard_numel
+        lo, hi = u.shard_range
         weights = _shard_piece(u) if u.shard is not None else u.flat[lo:hi]
         if not u.trainable:
             pieces.append(SavePiece(f"{u.name}/weights", (weights,)))
@@ -177,7 +176,6 @@ def restore_state(engine: "Engine", fill: Fill, optimizer: SavedOptimizer | None
 
 
 def _load_weights(engine: "Engine", fill: Fill, records: dict[str, UnitRecord]) -> None:
-    rank = engine.comm.rank
     for u in engine.units:
         rec = records[u.name]
         if u.trainable:
@@ -195,8 +193,8 @@ def _load_weights(engine: "Engine", fill: Fill, records: dict[str, UnitRecord]) 
             u.publish_weights()
             continue
         if u.shard is not None:  # stage 3: the shard is the home of a frozen unit's weights
-            lo = rank * u.shard_numel
-            fill(LoadPiece(rec, "values", lo, lo + u.shard_numel, _shard_piece(u)))
+            lo, hi = u.shard_range
+            fill(LoadPiece(rec, "values", lo, hi, _shard_piece(u)))
             if u.state is not WeightState.SHARDED:
                 fill(LoadPiece(rec, "values", 0, u.padded_numel, u.flat))
         else:
@@ -273,14 +271,13 @@ def _restore_pipeline(engine: "Engine", fill: Fill, records: dict[str, UnitRecor
         log.info("the checkpoint has a delayed host update pending; this engine has no delayed update, "
                  "so it continues from the master (the newest weights)")
         return
-    rank = engine.comm.rank
     for u in engine.units:
         if not _host_parts(u):
             continue
-        lo = rank * u.shard_numel
+        lo, hi = u.shard_range
         u.wait_weights()  # the load's own gather of the master must not land over these
         if u.shard is not None:
-            fill(LoadPiece(records[u.name], IN_USE, lo, lo + u.shard_numel, _shard_piece(u)))
+            fill(LoadPiece(records[u.name], IN_USE, lo, hi, _shard_piece(u)))
         else:
             fill(LoadPiece(records[u.name], IN_USE, 0, u.padded_numel, u.flat))
         u.publish_weights()

@@ -86,6 +86,7 @@ class UnitLayout:
     numel: int
     padded_numel: int
     shard_numel: int
+    shard_range: tuple[int, int]          # this rank's shard [r * shard_numel, (r + 1) * shard_numel)
     opt_range: tuple[int, int]
     parts: tuple[OptimizerPart, ...]      # host part (if any) first, then the device part
     records: tuple[BufferRecord, ...]     # in allocation order: a record's alias comes before it
@@ -127,13 +128,16 @@ class UnitLayout:
         return out
 
 
-def geometry(numel: int, world: int, rank: int, shard_optimizer: bool) -> tuple[int, int, tuple[int, int]]:
-    """(padded_numel, shard_numel, optimizer range): see [Note: unit layout] in units/unit.py."""
+def geometry(numel: int, world: int, rank: int,
+             shard_optimizer: bool) -> tuple[int, int, tuple[int, int], tuple[int, int]]:
+    """(padded_numel, shard_numel, this rank's shard range, optimizer range): see [Note: unit
+    layout] in units/unit.py. The one place a rank's shard range is computed; everything else
+    reads it from the layout (`UnitLayout.shard_range`, `Unit.shard_range`)."""
     quantum = world * ALIGN
     padded = -(-numel // quantum) * quantum
     shard = padded // world
-    start = rank * shard
-    return padded, shard, ((start, start + shard) if shard_optimizer else (0, padded))
+    own = (rank * shard, (rank + 1) * shard)
+    return padded, shard, own, (own if shard_optimizer else (0, padded))
 
 
 def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
@@ -149,23 +153,23 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     placement.params_on_nvme, elements of offload_param.max_in_cpu the units before this one
     left: a shard that fits stays in host memory, else it is a file.
     """
-    padded, shard_numel, (a, b) = geometry(numel, world, rank, partition.shard_optimizer)
+    padded, shard_numel, own, (a, b) = geometry(numel, world, rank, partition.shard_optimizer)
     fp32 = compute_dtype == torch.float32
     f32 = torch.float32
     pin_params = placement.param_pin_memory and cuda and torch.cuda.is_available()
     records = [BufferRecord("weights", "weights", "device", compute_dtype, 0, padded,
                             transient=partition.shard_weights)]
-    lo = rank * shard_numel
+    lo, hi = own
     shard_tier = placement.param_tier(shard_numel, param_ram_left)
     if partition.shard_weights:
-        records.append(BufferRecord("shard", "weights", shard_tier, compute_dtype, lo,
-                                    lo + shard_numel, pinned=pin_params and shard_tier != "nvme"))
+        records.append(BufferRecord("shard", "weights", shard_tier, compute_dtype, lo, hi,
+                                    pinned=pin_params and shard_tier != "nvme"))
         if shard_tier == "nvme":
-            records.append(BufferRecord("shard_buffer", "buffers", "host", compute_dtype, lo,
-                                        lo + shard_numel, pinned=pin_params, transient=True))
+            records.append(BufferRecord("shard_buffer", "buffers", "host", compute_dtype, lo, hi,
+                                        pinned=pin_params, transient=True))
     home = "shard" if partition.shard_weights else "weights"  # where the weights persist
     if not trainable:
-        return UnitLayout(numel, padded, shard_numel, (a, b), (), tuple(records))
+        return UnitLayout(numel, padded, shard_numel, own, (a, b), (), tuple(records))
 
     k = placement.host_numel(b - a) if placement.offloads else 0
     h = placement.ram_split(k, ram_left)  # [a, a + h) in host memory, [a + h, a + k) on NVMe
@@ -194,7 +198,7 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     if k > h:
         records += _nvme_part_records(placement, partition, compute_dtype, a + h, a + k, cuda,
                                       shard_tier)
-    return UnitLayout(numel, padded, shard_numel, (a, b), parts, tuple(records))
+    return UnitLayout(numel, padded, shard_numel, own, (a, b), parts, tuple(records))
 
 
 def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,

@@ -141,6 +141,7 @@ class Unit:
                              f"parameters have {offset}")
         self.layout = layout
         self.padded_numel, self.shard_numel = layout.padded_numel, layout.shard_numel
+        self.shard_range = layout.shard_range  # this rank's elements [lo, hi) of the flat index space
         self.opt_range = layout.opt_range
         self._release_bytes = None  # ledger release of the gathered full weights (stage 3)
         self._sync_initial_values()
@@ -202,8 +203,8 @@ class Unit:
         self._placeholder = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
         self._state = WeightState.GATHERED
         if self.shard is not None:
-            lo = self.comm.rank * self.shard_numel
-            self.shard.copy_(flat[lo:lo + self.shard_numel])
+            lo, hi = self.shard_range
+            self.shard.copy_(flat[lo:hi])
             if self.nvme_shard is not None:
                 self.nvme_shard.write_values(self.shard)
                 self.nvme_shard.drop_clean()
@@ -446,8 +447,8 @@ class Unit:
             self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
                                                        unit=self.index)
             return
-        lo = self.comm.rank * self.shard_numel
-        own = self.flat[lo:lo + self.shard_numel]  # this rank's slot: the all-gather's input
+        lo, hi = self.shard_range
+        own = self.flat[lo:hi]  # this rank's slot: the all-gather's input
         if self.nvme_shard is not None:
             # From NVMe through the host buffer: waits for its read (or reads now). The buffer is
             # freed once copied (on CUDA the pinned allocator keeps it until the copy is done).
@@ -508,11 +509,11 @@ class Unit:
         to read (or to edit a few weights) does not lose the master's precision elsewhere.
         """
         if self.shard is not None:
-            lo = self.comm.rank * self.shard_numel
+            lo, hi = self.shard_range
             if self.nvme_shard is not None:
-                self.nvme_shard.write_values(self.flat[lo:lo + self.shard_numel])
+                self.nvme_shard.write_values(self.flat[lo:hi])
             else:
-                self.shard.copy_(self.flat[lo:lo + self.shard_numel])
+                self.shard.copy_(self.flat[lo:hi])
         for part in self.parts:
             part.absorb(self.flat[part.lo:part.hi])
 
@@ -569,8 +570,8 @@ class Unit:
                 full[part.lo:part.hi].copy_(part.master_values())
             partitioned = self.policy.shard_optimizer
         elif self.shard is not None:
-            lo = self.comm.rank * self.shard_numel
-            full[lo:lo + self.shard_numel].copy_(self.shard_values())
+            lo, hi = self.shard_range
+            full[lo:hi].copy_(self.shard_values())
             partitioned = True
         else:
             return self.flat.float()
