@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from zerokit.config.ignored import format_ignored, ignored_settings
 from zerokit.logs import log
 from zerokit.sizes import mib
+from zerokit.tiers.names import TierName
 
 if TYPE_CHECKING:  # described through its public attributes; importing this imports no engine
     from zerokit.engine.engine import Engine
@@ -82,7 +83,7 @@ def _offload_lines(engine: "Engine") -> list[str]:
         return lines
     host = sum(u.host_numel for u in engine.units)
     total = sum(u.opt_range[1] - u.opt_range[0] for u in engine.units if u.trainable)
-    moved = sum(engine.ledger.bytes(tier="host", kind=k) for k in ("master", "grads", "optimizer_state"))
+    moved = sum(engine.ledger.bytes(tier=TierName.HOST, kind=k) for k in ("master", "grads", "optimizer_state"))
     lines += [
         f"  {placement.describe()}",
         f"    {host:,} of {total:,} optimizer elements on the host on rank {engine.comm.rank}: "
@@ -96,8 +97,8 @@ def _nvme_lines(engine: "Engine", total: int) -> list[str]:
     nvme = sum(u.layout.nvme_numel for u in engine.units)
     if not nvme:
         return []
-    grads = engine.ledger.bytes(tier="nvme", kind="grads")  # none with step_in_backward
-    on_disk = grads + sum(engine.ledger.bytes(tier="nvme", kind=k) for k in ("master", "optimizer_state"))
+    grads = engine.ledger.bytes(tier=TierName.NVME, kind="grads")  # none with step_in_backward
+    on_disk = grads + sum(engine.ledger.bytes(tier=TierName.NVME, kind=k) for k in ("master", "optimizer_state"))
     return [f"    {nvme:,} of {total:,} optimizer elements on NVMe on rank {engine.comm.rank}: "
             f"{mib(on_disk)} in files (master, {'gradient, ' if grads else ''}optimizer state); "
             f"expected NVMe traffic per step {mib(2 * on_disk)} (each read once and written once)"]
@@ -106,7 +107,7 @@ def _nvme_lines(engine: "Engine", total: int) -> list[str]:
 def _offload_param_lines(engine: "Engine", placement) -> list[str]:
     shards = [u for u in engine.units if u.shard is not None and u.nvme_shard is None]
     files = [u for u in engine.units if u.nvme_shard is not None]
-    nbytes = engine.ledger.bytes(tier="host", kind="weights")
+    nbytes = engine.ledger.bytes(tier=TierName.HOST, kind="weights")
     lines = [f"  {placement.describe_params()}"]
     if shards or not files:
         lines.append(f"    {len(shards)} weight shards on the host on rank {engine.comm.rank}: "

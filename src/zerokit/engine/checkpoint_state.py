@@ -45,6 +45,7 @@ from zerokit.checkpoint.interface import (FileRange, Fill, HostRecord, LoadPiece
                                           SaveState, UnitRecord)
 from zerokit.checkpoint.metadata import IN_USE
 from zerokit.states import WeightState
+from zerokit.tiers.names import TierName
 from zerokit.tiers.nvme import FileRange as NvmeRange
 
 if TYPE_CHECKING:
@@ -81,13 +82,13 @@ def state_to_save(engine: "Engine") -> SaveState:
             pieces.append(SavePiece(f"{u.name}/weights", (weights,)))
             continue
         a = u.opt_range[0]
-        pieces.append(SavePiece(f"{u.name}/master", cut([_saved(p.master) if p.tier == "nvme" else
+        pieces.append(SavePiece(f"{u.name}/master", cut([_saved(p.master) if p.tier is TierName.NVME else
                                                           p.master_values() for p in u.parts],
                                                          lo - a, hi - a)))
         state = engine.optimizer.state.get(u.master, {})
         keys = optim_keys[u.name] = state_keys(u, state)
         for k in keys:
-            parts = [state[k] if p.tier == "device" else _saved(p.state[k]) for p in u.parts]
+            parts = [state[k] if p.tier is TierName.DEVICE else _saved(p.state[k]) for p in u.parts]
             pieces.append(SavePiece(f"{u.name}/optim.{k}", cut(parts, lo - a, hi - a)))
         scalars[u.name] = copy.deepcopy({k: v for k, v in state.items() if k not in keys})
         if in_use and _host_parts(u):
@@ -101,7 +102,7 @@ def state_to_save(engine: "Engine") -> SaveState:
 
 def _host_parts(u: "Unit") -> list:
     """The parts the host kernel steps: in host memory, or streamed from NVMe."""
-    return [p for p in u.parts if p.tier in ("host", "nvme")]
+    return [p for p in u.parts if p.tier is not TierName.DEVICE]
 
 
 def _saved(t):
@@ -180,7 +181,7 @@ def _load_weights(engine: "Engine", fill: Fill, records: dict[str, UnitRecord]) 
         rec = records[u.name]
         if u.trainable:
             for part in u.parts:
-                target = _saved(part.master) if part.tier == "nvme" else part.master.data
+                target = _saved(part.master) if part.tier is TierName.NVME else part.master.data
                 fill(LoadPiece(rec, "values", part.lo, part.hi, target))
             for host in _host_parts(u):  # compute weights follow as a host step's write-back does
                 if host.out16 is not None:

@@ -36,6 +36,7 @@ from zerokit.optim.recipe import state_bytes
 from zerokit.optim import HostAdagrad, HostAdam, HostLion, Lion
 from zerokit.optim import host as K
 from zerokit.policy import PlacementPolicy
+from zerokit.tiers.names import TierName
 
 SUPPORTED = ("Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/AdamW/Adagrad and "
              "zerokit.optim.Lion instances")
@@ -122,7 +123,7 @@ class DeviceExecutor:
         if self.state is ExecutorState.RUNNING:
             self._move(ExecutorState.IDLE)
             # torch creates its state lazily, at the first step: count what it holds now.
-            self.ledger.hold_bytes("optimizer", "optimizer_state", "device", state_bytes(self.optimizer))
+            self.ledger.hold_bytes("optimizer", "optimizer_state", TierName.DEVICE, state_bytes(self.optimizer))
 
     def after_skip(self) -> None:
         """Nothing was launched, nothing is pending."""
@@ -229,7 +230,7 @@ class HostExecutor:
     of the new weights, and after a checkpoint load that restores a pending write-back.
     """
 
-    tier = "host"  # the parts it steps
+    tier = TierName.HOST  # the parts it steps
 
     def __init__(self, units: list, placement: PlacementPolicy):
         _LIVE.add(self)

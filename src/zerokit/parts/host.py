@@ -10,6 +10,7 @@ import torch.nn as nn
 from zerokit.policy.layout import OptimizerPart
 from zerokit.parts.held_gradient import HeldGradient
 from zerokit.optim import host as host_kernels
+from zerokit.tiers.names import TierName
 from zerokit.tiers.tier import CopyHandle, Tier
 
 # States per optimizer family, by the names torch uses (so a later checkpoint can share them).
@@ -20,7 +21,7 @@ class HostPart:
     """The host part: master, optimizer state, gradient and output buffers on the host tier,
     stepped by the native kernel (parts/executors.py `HostExecutor`)."""
 
-    tier = "host"
+    tier = TierName.HOST
 
     def __init__(self, unit, span: OptimizerPart, buffers: dict[str, torch.Tensor], host: Tier,
                  home: torch.Tensor, in_place: bool, pinned: bool):

@@ -20,6 +20,7 @@ from zerokit.tiers.nvme_shard import FileHome
 from zerokit.parts.host import STATE_NAMES, HostPart
 from zerokit.io.aio import wait_all
 from zerokit.optim import host as host_kernels
+from zerokit.tiers.names import TierName
 from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
 from zerokit.tiers.tier import Tier
 
@@ -113,7 +114,7 @@ class FileGradient:
 
 
 class NvmePart(HostPart):
-    tier = "nvme"
+    tier = TierName.NVME
 
     def __init__(self, unit, span: OptimizerPart, buffers: dict, host: Tier, nvme: NvmeTier,
                  home: torch.Tensor, in_place: bool, pinned: bool):

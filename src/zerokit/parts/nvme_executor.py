@@ -40,6 +40,7 @@ from zerokit.parts.host import STATE_NAMES
 from zerokit.parts.executors import HostExecutor, PartFeed
 from zerokit.io.aio import wait_all
 from zerokit.policy import PlacementPolicy
+from zerokit.tiers.names import TierName
 from zerokit.tiers.nvme import NvmeHandle, NvmeTier
 
 
@@ -104,7 +105,7 @@ class NvmeExecutor(HostExecutor):
     delayed update and its write-back) with `_run` streaming the parts from their files.
     """
 
-    tier = "nvme"
+    tier = TierName.NVME
 
     def __init__(self, units: list, nvme: NvmeTier, settings: StreamSettings, ledger,
                  placement: PlacementPolicy):
@@ -141,7 +142,7 @@ class NvmeExecutor(HostExecutor):
                         and p.out_file.dtype != torch.float32), None)
             self._sets = [_BufferSet(numel, STATE_NAMES[self.family], self.settings.gradients_in_files,
                                      out) for _ in range(self.settings.buffer_count)]
-            self.ledger.hold_bytes("nvme_executor/buffer_sets", "buffers", "host",
+            self.ledger.hold_bytes("nvme_executor/buffer_sets", "buffers", TierName.HOST,
                                    sum(b.nbytes for b in self._sets))
         return self._sets
 

@@ -67,7 +67,7 @@ from zerokit.parts.device import DevicePart
 from zerokit.parts.host import HostPart
 from zerokit.states import WeightState, move
 from zerokit.policy import PartitionPolicy, PlacementPolicy
-from zerokit.tiers import Ledger, tiers_for
+from zerokit.tiers import Ledger, TierName, tiers_for
 from zerokit.tiers.transfer import side_stream, uses_streams
 
 
@@ -167,7 +167,7 @@ class Unit:
             if r.alias_of is not None:
                 target = self.layout.record(r.alias_of)
                 bufs[r.name] = bufs[r.alias_of][r.lo - target.lo:r.hi - target.lo]
-            elif r.transient and r.tier == "host":  # a shard's host buffer (tiers/nvme_shard.py)
+            elif r.transient and r.tier is TierName.HOST:  # a shard's host buffer (tiers/nvme_shard.py)
                 from zerokit.parts.nvme import host_buffer
 
                 bufs[r.name] = host_buffer(r.numel, r.dtype)
@@ -178,12 +178,12 @@ class Unit:
                                                       r.dtype, pinned=r.pinned)
         flat = bufs["weights"]
         for r in self.layout.records:  # masters from the parameters, before they point into flat
-            if r.kind == "master" and r.alias_of is None and r.tier == "nvme":
+            if r.kind == "master" and r.alias_of is None and r.tier is TierName.NVME:
                 from zerokit.parts.nvme import fill_range, host_buffer  # the I/O engine: only with NVMe
 
                 staged = host_buffer(r.numel)  # one part's master in RAM, then to its file
                 self._copy_param_values(staged, r.lo, r.hi)
-                fill_range(tiers["nvme"], bufs[r.name], staged)
+                fill_range(tiers[TierName.NVME], bufs[r.name], staged)
             elif r.kind == "master" and r.alias_of is None:
                 self._copy_param_values(bufs[r.name], r.lo, r.hi)
         self._copy_param_values(flat, 0, self.padded_numel)
@@ -199,7 +199,7 @@ class Unit:
             from zerokit.tiers.nvme_shard import NvmeShard
 
             self.shard = bufs["shard_buffer"]
-            self.nvme_shard = NvmeShard(tiers["nvme"], bufs["shard"], self.shard, self.ledger)
+            self.nvme_shard = NvmeShard(tiers[TierName.NVME], bufs["shard"], self.shard, self.ledger)
         self._placeholder = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
         self._state = WeightState.GATHERED
         if self.shard is not None:
@@ -220,18 +220,18 @@ class Unit:
         if self.nvme_shard is not None:  # the parts write new weights straight to the file
             home = self.nvme_shard.home
         home_lo = self.layout.record("shard" if self.shard is not None else "weights").lo
-        host = next((p for p in self.layout.parts if p.tier == "host"), None)
+        host = next((p for p in self.layout.parts if p.tier is TierName.HOST), None)
         if host is not None:
             out = "host_out16" if self.layout.has("host_out16") else "host_master"
-            self.parts.append(HostPart(self, host, bufs, tiers["host"],
+            self.parts.append(HostPart(self, host, bufs, tiers[TierName.HOST],
                                        home[host.lo - home_lo:host.hi - home_lo],
                                        in_place=self.layout.aliases(out, "shard"),
                                        pinned=self.layout.record("host_master").pinned))
-        nvme = next((p for p in self.layout.parts if p.tier == "nvme"), None)
+        nvme = next((p for p in self.layout.parts if p.tier is TierName.NVME), None)
         if nvme is not None:
             from zerokit.parts.nvme import NvmePart
 
-            self.parts.append(NvmePart(self, nvme, bufs, tiers["host"], tiers["nvme"],
+            self.parts.append(NvmePart(self, nvme, bufs, tiers[TierName.HOST], tiers[TierName.NVME],
                                        home[nvme.lo - home_lo:nvme.hi - home_lo],
                                        in_place=self.layout.aliases("nvme_out", "shard"),
                                        pinned=self.layout.has("nvme_out") and self.layout.record("nvme_out").pinned))
@@ -357,7 +357,7 @@ class Unit:
 
     @property
     def _streams_buckets(self) -> bool:
-        return any(p.tier != "device" for p in self.parts)
+        return any(p.tier is not TierName.DEVICE for p in self.parts)
 
     def _deliver(self, reduced: torch.Tensor, lo: int, hi: int) -> None:
         """The reduced gradient of elements [lo, hi) of the optimizer range (flat index space)
