@@ -89,11 +89,6 @@ class HeldGradient:
         self._sq = 0.0
 
     @property
-    def range(self) -> "HeldGradient":
-        """What an nvme part hands its executor as its gradient (no file range): itself."""
-        return self
-
-    @property
     def nbytes(self) -> int:
         return 0 if self._buf is None else self.numel * 4
 

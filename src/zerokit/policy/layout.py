@@ -221,7 +221,7 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
                         alias_of="shard" if in_place and fp32 else None)]
     # With the delayed update the worker reads one gradient buffer while the next backward fills
     # the other; without it one buffer suffices; stepped in backward, none is kept between steps
-    # (parts/host.py HeldGradient).
+    # (parts/held_gradient.py HeldGradient).
     for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1):
         out.append(BufferRecord(f"host_grad{i}", "grads", TierName.HOST, f32, lo, hi, pinned=pin))
     if not fp32:

@@ -25,8 +25,10 @@ visibly wrong, and writing to it raises. Gathering points the parameters back in
 - `grad_flat`   compute-dtype full-size gradients that `p.grad` views point into; only where
                 gradients are reduced once per accumulation boundary (not sharded).
 - `parts`       the optimizer range as parts ([Note: optimizer parts] in parts/__init__.py): with
-                offload a HostPart (fp32 master, optimizer state, gradient on the host tier) for
-                the first `host_numel` elements, then always a DevicePart for the rest.
+                offload a HostPart (parts/host.py: fp32 master, optimizer state, gradient on the
+                host tier) for the first `host_numel` elements, with offload_optimizer nvme an
+                NvmePart (parts/nvme.py: the same in files) for the next `nvme_numel`, then
+                always a DevicePart (parts/device.py) for the rest.
 - `master`      the device part's fp32 weights: this rank's shard of the optimizer range if the
                 optimizer state is partitioned, the whole buffer otherwise; in fp32 training a
                 view of the weights. `master_grad`: its reduced gradient, which the optimizer
@@ -48,8 +50,8 @@ of it in the reduce dtype that is then written back over it. Adding instead woul
 `master_grad` = local sum + global average wherever the local sum lives in `master_grad` and
 crosses in another dtype (issue #14).
 
-`master.grad` is linked to `master_grad` by the engine only while the optimizer steps (see
-Engine._run_optimizer): user code that resets `.grad` between steps (`optimizer.zero_grad()`)
+`master.grad` is linked to `master_grad` only while torch's optimizer steps (see
+DeviceExecutor.launch in parts/executors.py): user code that resets `.grad` between steps (`optimizer.zero_grad()`)
 then neither unlinks nor zeroes what the step reads.
 """
 from __future__ import annotations
@@ -231,8 +233,10 @@ class Unit:
         if nvme is not None:
             from zerokit.parts.nvme import NvmePart
 
-            self.parts.append(NvmePart(self, nvme, bufs, tiers[TierName.HOST], tiers[TierName.NVME],
-                                       home[nvme.lo - home_lo:nvme.hi - home_lo],
+            grad_files = [bufs[n] for n in ("nvme_grad0", "nvme_grad1") if n in bufs]
+            self.parts.append(NvmePart(self, nvme, master=bufs["nvme_master"], grad_files=grad_files,
+                                       out16=bufs.get("nvme_out"), nvme=tiers[TierName.NVME],
+                                       home=home[nvme.lo - home_lo:nvme.hi - home_lo],
                                        in_place=self.layout.aliases("nvme_out", "shard"),
                                        pinned=self.layout.has("nvme_out") and self.layout.record("nvme_out").pinned))
         span = self.layout.parts[-1]
