@@ -5,7 +5,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn as nn
 
 from zerokit.policy.layout import OptimizerPart
 from zerokit.parts.held_gradient import HeldGradient
