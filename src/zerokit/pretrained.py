@@ -205,9 +205,9 @@ def _load_tensor(key: str, tensor: torch.Tensor, f, ckpt_key: str, report: LoadR
         return
     _check_construction_unit(key, unit)
     slot = next(s for s in unit.slots if s.param is tensor)
-    lo = unit.comm.rank * unit.shard_numel
+    lo, hi = unit.shard_range
     a = max(slot.offset, lo)
-    b = min(slot.offset + slot.numel, lo + unit.shard_numel)
+    b = min(slot.offset + slot.numel, hi)
     if a >= b:
         return  # every element of this parameter belongs to other ranks
     if unit.nvme_shard is None:

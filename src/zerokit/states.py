@@ -23,7 +23,8 @@ class EngineFailedError(RuntimeError):
 
 
 class WeightState(Enum):
-    """Where a unit's full compute weights are. ZeRO-Infinity adds "on NVMe" and "fetching"."""
+    """Where a unit's full compute weights are. Whether a shard on NVMe is in host memory too is
+    the shard's own state (`ShardResidency` in tiers/nvme_shard.py), not a state of the unit."""
 
     SHARDED = "sharded"      # only this rank's shard exists; `flat` has no storage (stage 3)
     GATHERING = "gathering"  # an all-gather into `flat` is in flight: do not read `flat`

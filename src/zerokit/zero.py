@@ -14,6 +14,7 @@ import torch.nn as nn
 from zerokit.units.leaf import get_leaf_modules, set_leaf_modules, unset_leaf_modules  # noqa: F401
 from zerokit.units.unit import Unit, WeightState, unit_of
 from zerokit.policy import PlacementPolicy
+from zerokit.tiers.names import TierName
 from zerokit.pretrained import LoadReport, load_pretrained_sharded  # noqa: F401  (public here)
 from zerokit.tiling import TiledEmbedding, TiledLinear, TiledLinearReturnBias  # noqa: F401  (public here)
 
@@ -134,7 +135,7 @@ class Init:
         _check_groups(data_parallel_group, sequence_data_parallel_group, mpu)
         self.enabled = enabled
         self.config = _resolve_config(config, config_dict_or_path)
-        self.remote_device, self.pin_memory = _resolve_placement(remote_device, pin_memory, self.config)
+        self.shard_tier, self.pin_memory = _resolve_placement(remote_device, pin_memory, self.config)
         self.dtype = dtype
         self._patched: list[tuple[type, object]] = []
         self._saved_apply = None
@@ -154,7 +155,7 @@ class Init:
         self.policy = PartitionPolicy.for_stage(3)
         self.ledger = Ledger()
         self.nvme = None
-        if self.remote_device == "nvme":
+        if self.shard_tier is TierName.NVME:
             import os
 
             from zerokit.tiers.nvme import NvmeTier
@@ -226,9 +227,9 @@ class Init:
         if self.dtype is not None:
             for _, p in params:
                 p.data = p.data.to(self.dtype)
-        placement = PlacementPolicy(params_on_host=self.remote_device == "cpu",
+        placement = PlacementPolicy(params_on_host=self.shard_tier is TierName.HOST,
                                     param_pin_memory=self.pin_memory,
-                                    params_on_nvme=self.remote_device == "nvme")
+                                    params_on_nvme=self.shard_tier is TierName.NVME)
         unit = Unit(f"{type(module).__name__}@{id(module):x}", params, module=None, trainable=False,
                     group_index=-1, comm=self.comm, policy=self.policy,
                     compute_dtype=params[0][1].dtype, reduce_dtype=params[0][1].dtype,
@@ -376,20 +377,21 @@ def _resolve_config(config, config_dict_or_path):
     return load_config(chosen) if chosen is not None else None
 
 
-def _resolve_placement(remote_device, pin_memory: bool, config) -> tuple[str, bool]:
-    """("device", "cpu" or "nvme", pin): where each construction shard lives."""
+def _resolve_placement(remote_device, pin_memory: bool, config) -> tuple[TierName, bool]:
+    """(the tier each construction shard lives on, pin)."""
     param = config.zero_optimization.offload_param if config is not None else None
     if remote_device is None and param is not None and param.device in ("cpu", "nvme"):
         remote_device, pin_memory = param.device, pin_memory or param.pin_memory  # DeepSpeed's default
-    device = {"none": "device", None: "device", "cpu": "cpu", "nvme": "nvme"}.get(remote_device)
+    device = {"none": TierName.DEVICE, None: TierName.DEVICE, "cpu": TierName.HOST,
+              "nvme": TierName.NVME}.get(remote_device)
     if device is None:
         raise ValueError(f"zero.Init(remote_device={remote_device!r}): allowed None or 'none' (the "
                          f"compute device), 'cpu' (the host tier), 'nvme' (files)")
-    if device == "nvme" and (param is None or not param.nvme_path):
+    if device is TierName.NVME and (param is None or not param.nvme_path):
         raise ValueError("zero.Init(remote_device='nvme') puts the weights under "
                          "zero_optimization.offload_param.nvme_path: pass a config that sets it "
                          "(config=... or config_dict_or_path=...)")
-    if pin_memory and device == "device":
+    if pin_memory and device is TierName.DEVICE:
         raise ValueError("zero.Init(pin_memory=True) pins host shards: it needs remote_device='cpu' "
                          "(or 'nvme', whose shards pass through host buffers)")
     return device, pin_memory

@@ -63,3 +63,25 @@ def test_offload_param_errors_name_the_key(param, stage, words) -> None:
         load_config({**BASE, "zero_optimization": {"stage": stage, "offload_param": param}})
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("numel,world", [(1000, 3), (7 * 15, 2), (31, 1), (4096, 4)])
+def test_each_rank_s_shard_range_is_its_chunk(numel, world) -> None:
+    """The layout's shard range (what units, checkpoints and zero.Init read instead of
+    recomputing it) is rank r's chunk of the padded flat buffer, as torch.chunk cuts it, and is
+    the shard record's range at stage 3."""
+    import torch
+
+    from zerokit.policy import PartitionPolicy
+    from zerokit.policy.layout import plan_layout
+
+    for stage in (1, 3):
+        for rank in range(world):
+            layout = plan_layout(numel, world, rank, PartitionPolicy.for_stage(stage),
+                                 PlacementPolicy(), torch.float16, torch.float32, trainable=True)
+            chunk = torch.arange(layout.padded_numel).chunk(world)[rank]
+            assert layout.shard_range == (int(chunk[0]), int(chunk[-1]) + 1)
+            assert layout.opt_range == layout.shard_range
+            if stage == 3:
+                shard = layout.record("shard")
+                assert (shard.lo, shard.hi) == layout.shard_range

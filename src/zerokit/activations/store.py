@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zerokit.activations.options import SETTINGS
+from zerokit.tiers.names import TierName
 
 _names = itertools.count()
 
@@ -35,7 +36,7 @@ class Piece:
     """One saved input: what is kept of it, and how to make the whole again."""
 
     kept: torch.Tensor          # the whole input, or this rank's part of it; on `tier`
-    tier: str                   # "device" or "host"
+    tier: TierName              # DEVICE or HOST
     shape: torch.Size
     device: torch.device        # where the input was, and where it is restored to
     partitioned: bool
@@ -91,13 +92,13 @@ class Store:
     def _keep_one(self, position: int, t: torch.Tensor) -> Piece:
         opts = SETTINGS.options
         part = self._partition(t) if opts.partition_activations and SETTINGS.mp.size > 1 else t
-        tier = "host" if opts.cpu_checkpointing else "device"
+        tier = TierName.HOST if opts.cpu_checkpointing else TierName.DEVICE
         piece = Piece(part, tier, t.shape, t.device, part is not t)
         if opts.contiguous_memory_optimization:
             piece.kept = self._slot(position, part, tier)
             piece.source, piece.event = _copy_into(piece.kept, part)
             return piece  # the slot's bytes are counted once, as the buffer
-        if tier == "host":
+        if tier is TierName.HOST:
             piece.kept = _empty_host(part)
             piece.source, piece.event = _copy_into(piece.kept, part)
         elif piece.partitioned:
@@ -120,9 +121,9 @@ class Store:
         slots = SETTINGS.options.number_checkpoints
         buf = self.buffers.get(position)
         if buf is None:
-            device = "cpu" if tier == "host" else part.device
+            device = "cpu" if tier is TierName.HOST else part.device
             buf = torch.empty((slots, part.numel()), dtype=part.dtype, device=device,
-                              pin_memory=tier == "host" and part.is_cuda)
+                              pin_memory=tier is TierName.HOST and part.is_cuda)
             self.buffers[position] = buf
             self.slot[position] = 0
             self.buffer_ledgers[position] = SETTINGS.ledger
@@ -170,7 +171,7 @@ class Store:
     def _prefetch(self, kept: Kept) -> None:
         """Start bringing a checkpoint's host pieces back, where a copy can run beside compute."""
         for piece in kept.pieces:
-            if piece is not None and piece.tier == "host" and piece.device.type == "cuda" \
+            if piece is not None and piece.tier is TierName.HOST and piece.device.type == "cuda" \
                     and piece.fetched is None:
                 piece.fetched, piece.fetch_event = _fetch(piece)
                 self.stats["prefetched"] += 1
@@ -186,10 +187,10 @@ class Store:
             if piece.fetch_event is not None:
                 torch.cuda.current_stream(piece.device).wait_event(piece.fetch_event)
             here = piece.fetched
-            kept.releases.append(SETTINGS.ledger.transient("activations", here, tier="device"))
+            kept.releases.append(SETTINGS.ledger.transient("activations", here, tier=TierName.DEVICE))
         if piece.partitioned:
             here = self._gather(here, piece)
-            kept.releases.append(SETTINGS.ledger.transient("activations", here, tier="device"))
+            kept.releases.append(SETTINGS.ledger.transient("activations", here, tier=TierName.DEVICE))
         if piece.name:
             piece.ledger.release(piece.name)
         return here.reshape(-1)[:piece.shape.numel()].view(piece.shape)
@@ -256,7 +257,7 @@ def _fetch(piece: Piece) -> tuple[torch.Tensor, Any]:
 STORE = Store()
 
 
-def restore_source(tier: str, copied_on_side_stream: bool) -> str:
+def restore_source(tier: TierName, copied_on_side_stream: bool) -> str:
     """Where a checkpointed input is read back from at recomputation:
     "slot"   a device slot (contiguous buffer) filled on the CUDA side stream: wait for that copy
              and read the slot (fetching would hand back the source, alive beside its slot: the
@@ -264,8 +265,8 @@ def restore_source(tier: str, copied_on_side_stream: bool) -> str:
     "fetch"  a host piece: bring it back to the device (prefetched, or now);
     "kept"   a device piece kept as it was: read it.
     """
-    if tier == "device":
+    if tier == TierName.DEVICE:
         return "slot" if copied_on_side_stream else "kept"
-    if tier == "host":
+    if tier == TierName.HOST:
         return "fetch"
     raise ValueError(f"a checkpointed piece lives on 'device' or 'host', not {tier!r}")

@@ -401,12 +401,6 @@ class Comm:
         self.all_reduce_(t, where)
         return [int(v) for v in t.cpu()]
 
-    def sum_scalar(self, value: torch.Tensor, where: str) -> torch.Tensor:
-        """One all-reduce of a 1-element fp64 tensor (the squared gradient norm; inf/nan propagate)."""
-        if self.world_size > 1:
-            self.all_reduce_(value, where)
-        return value
-
     def barrier(self, where: str) -> None:
         if self.world_size > 1:
             self._run("barrier", where, lambda: dist.barrier(async_op=True), None, False)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from zerokit.config.ignored import format_ignored, ignored_settings
 from zerokit.logs import log
+from zerokit.sizes import mib
+from zerokit.tiers.names import TierName
 
 if TYPE_CHECKING:  # described through its public attributes; importing this imports no engine
     from zerokit.engine.engine import Engine
@@ -17,10 +19,6 @@ if TYPE_CHECKING:  # described through its public attributes; importing this imp
 # Bytes of optimizer state per master element, for the start-up plan (before state exists).
 STATE_BYTES_PER_ELEMENT = {"Adam": 8, "AdamW": 8, "SGD": 4, "Adagrad": 4, "HostLion": 4, "Lion": 4,
                            "HostAdam": 8, "HostAdagrad": 4}
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f} MiB"
 
 
 def report_startup(engine: "Engine") -> None:
@@ -47,8 +45,8 @@ def explain(engine: "Engine") -> str:
     opt_name = type(engine.optimizer).__name__
     per_elem = STATE_BYTES_PER_ELEMENT.get(opt_name)
     state_now = ledger.bytes(kind="optimizer_state")
-    state_line = (f"{_mib(state_now)} (measured)" if state_now else
-                  f"~{_mib(per_elem * masters)} ({per_elem} B x {masters:,} master elements, "
+    state_line = (f"{mib(state_now)} (measured)" if state_now else
+                  f"~{mib(per_elem * masters)} ({per_elem} B x {masters:,} master elements, "
                   f"allocated at the first step)" if per_elem else "allocated at the first step")
     largest = max(units, key=lambda u: u.numel)
     lines = [
@@ -85,11 +83,11 @@ def _offload_lines(engine: "Engine") -> list[str]:
         return lines
     host = sum(u.host_numel for u in engine.units)
     total = sum(u.opt_range[1] - u.opt_range[0] for u in engine.units if u.trainable)
-    moved = sum(engine.ledger.bytes(tier="host", kind=k) for k in ("master", "grads", "optimizer_state"))
+    moved = sum(engine.ledger.bytes(tier=TierName.HOST, kind=k) for k in ("master", "grads", "optimizer_state"))
     lines += [
         f"  {placement.describe()}",
         f"    {host:,} of {total:,} optimizer elements on the host on rank {engine.comm.rank}: "
-        f"{_mib(moved)} allocated there (master + optimizer state + gradients of the offloaded "
+        f"{mib(moved)} allocated there (master + optimizer state + gradients of the offloaded "
         f"part)"]
     return lines + _nvme_lines(engine, total)
 
@@ -99,27 +97,27 @@ def _nvme_lines(engine: "Engine", total: int) -> list[str]:
     nvme = sum(u.layout.nvme_numel for u in engine.units)
     if not nvme:
         return []
-    grads = engine.ledger.bytes(tier="nvme", kind="grads")  # none with step_in_backward
-    on_disk = grads + sum(engine.ledger.bytes(tier="nvme", kind=k) for k in ("master", "optimizer_state"))
+    grads = engine.ledger.bytes(tier=TierName.NVME, kind="grads")  # none with step_in_backward
+    on_disk = grads + sum(engine.ledger.bytes(tier=TierName.NVME, kind=k) for k in ("master", "optimizer_state"))
     return [f"    {nvme:,} of {total:,} optimizer elements on NVMe on rank {engine.comm.rank}: "
-            f"{_mib(on_disk)} in files (master, {'gradient, ' if grads else ''}optimizer state); "
-            f"expected NVMe traffic per step {_mib(2 * on_disk)} (each read once and written once)"]
+            f"{mib(on_disk)} in files (master, {'gradient, ' if grads else ''}optimizer state); "
+            f"expected NVMe traffic per step {mib(2 * on_disk)} (each read once and written once)"]
 
 
 def _offload_param_lines(engine: "Engine", placement) -> list[str]:
     shards = [u for u in engine.units if u.shard is not None and u.nvme_shard is None]
     files = [u for u in engine.units if u.nvme_shard is not None]
-    nbytes = engine.ledger.bytes(tier="host", kind="weights")
+    nbytes = engine.ledger.bytes(tier=TierName.HOST, kind="weights")
     lines = [f"  {placement.describe_params()}"]
     if shards or not files:
         lines.append(f"    {len(shards)} weight shards on the host on rank {engine.comm.rank}: "
-                     f"{_mib(nbytes)} left the device (weights are there only while gathered; the "
+                     f"{mib(nbytes)} left the device (weights are there only while gathered; the "
                      f"fp32 master is where offload_optimizer puts it)")
     if files:
         on_disk = sum(u.nvme_shard.file.nbytes for u in files)
         micro = engine.gradient_accumulation_steps()
         lines.append(f"    {len(files)} weight shards on NVMe on rank {engine.comm.rank}: "
-                     f"{_mib(on_disk)} in files; expected weight traffic per step: read "
-                     f"{_mib(2 * micro * on_disk)} (each shard once per gather, forward and "
-                     f"backward of {micro} micro-step(s)), written {_mib(on_disk)} (once)")
+                     f"{mib(on_disk)} in files; expected weight traffic per step: read "
+                     f"{mib(2 * micro * on_disk)} (each shard once per gather, forward and "
+                     f"backward of {micro} micro-step(s)), written {mib(on_disk)} (once)")
     return lines

@@ -1,7 +1,7 @@
 """The DeepSpeed-style JSON configuration, as typed pydantic models.
 
 Key names and meanings are DeepSpeed's, so an existing config works unchanged for what zerokit
-implements. Every model forbids unknown keys (see compat.py for the message). Values that depend on
+implements. Every model forbids unknown keys (see errors.py for the message). Values that depend on
 the world size (the batch-size triple) are resolved by `ZeroKitConfig.resolve_batch`.
 """
 from __future__ import annotations

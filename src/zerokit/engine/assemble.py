@@ -31,6 +31,7 @@ from zerokit.engine.lr_schedules import build_scheduler
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tiers import Ledger
 from zerokit.tiers.host_release import release_free_host_memory
+from zerokit.tiers.names import TierName
 from zerokit.tiers.nvme import NvmeTier
 from zerokit.logs import configure_logging
 from zerokit.zero import adopt_constructed, constructed_host_bytes, retire_constructed
@@ -115,7 +116,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     torch_optimizer = build_optimizer(recipe, masters)
     scheduler = _scheduler(cfg, lr_scheduler, torch_optimizer, optimizer)
     executors = _executors(units, placement, torch_optimizer, ledger)
-    if any(p.tier == "nvme" for u in units for p in u.parts):  # after the host executor (its
+    if any(p.tier is TierName.NVME for u in units for p in u.parts):  # after the host executor (its
         # worker overlaps the stream), before torch
         executors.insert(-1, _nvme_executor(cfg, units, nvme, torch_optimizer, ledger, placement))
     if placement.step_in_backward:
@@ -160,7 +161,7 @@ def _layouts(groups: list, comm: Comm, policy: PartitionPolicy, dtype: torch.dty
                                    grad_accum_steps=accumulation, cuda=comm.device.type == "cuda",
                                    ram_left=ram_left, param_ram_left=param_ram_left))
         ram_left -= layouts[-1].host_numel if placement.nvme else 0
-        if placement.params_on_nvme and layouts[-1].record("shard").tier == "host":
+        if placement.params_on_nvme and layouts[-1].record("shard").tier is TierName.HOST:
             param_ram_left -= layouts[-1].shard_numel
     return layouts
 
@@ -224,7 +225,7 @@ def _lend_gradients(executors: list, ledger: Ledger) -> None:
     pool = GradientPool(largest, HELD_PARTS + 1)
     for executor in kernel:
         executor.lend_gradients(pool)
-    ledger.track_external("held_gradients", "host", "grads", lambda: pool.nbytes)
+    ledger.track_external("held_gradients", TierName.HOST, "grads", lambda: pool.nbytes)
 
 
 def _auto_ratio(placement: PlacementPolicy, plan, device: torch.device, dtype: torch.dtype

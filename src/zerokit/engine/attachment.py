@@ -71,7 +71,9 @@ class Attachment:
             # needs no peer to act; its buffers must not be freed under the backend.
             u.wait_weights()
             for s in u.slots:
-                s.param.grad = None  # views of the unit's gradient buffer: let it go
+                # below stage 2 views of the unit's gradient buffer, above autograd's own
+                # tensors: either way the model must not keep them
+                s.param.grad = None
             if self.sharded:
                 u._point_params_at(None)  # keep no gathered buffer alive through the model
         for tier in self.tiers:  # after the units' writes in flight landed

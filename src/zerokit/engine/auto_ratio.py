@@ -17,6 +17,7 @@ import time
 import torch
 
 from zerokit.optim import host as K
+from zerokit.sizes import mib
 
 log = logging.getLogger("zerokit")
 
@@ -75,11 +76,8 @@ def balance(host_rate: float, device_rate: float, device_need: int, device_free:
     if device_free is not None and device_need:
         floor = max(0.0, 1.0 - 0.5 * device_free / device_need)
         if floor > ratio:
-            why += (f"; raised to {floor:.2f} so that the device part ({_mib((1 - floor) * device_need)}) "
-                    f"fits in half of the {_mib(device_free)} free")
+            part = mib((1 - floor) * device_need, decimals=0)
+            why += (f"; raised to {floor:.2f} so that the device part ({part}) "
+                    f"fits in half of the {mib(device_free, decimals=0)} free")
             ratio = floor
     return min(1.0, ratio), why
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB"

@@ -45,6 +45,7 @@ from zerokit.checkpoint.interface import (FileRange, Fill, HostRecord, LoadPiece
                                           SaveState, UnitRecord)
 from zerokit.checkpoint.metadata import IN_USE
 from zerokit.states import WeightState
+from zerokit.tiers.names import TierName
 from zerokit.tiers.nvme import FileRange as NvmeRange
 
 if TYPE_CHECKING:
@@ -71,24 +72,23 @@ def state_to_save(engine: "Engine") -> SaveState:
     host = engine.offload or next(iter(engine.kernel_executors), None)
     # [Note: delayed update in checkpoints]
     in_use = any(e.pending_write_back for e in engine.kernel_executors)
-    rank = engine.comm.rank
     pieces: list[SavePiece] = []
     optim_keys: dict[str, list[str]] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for u in engine.units:
-        lo, hi = rank * u.shard_numel, (rank + 1) * u.shard_numel
+        lo, hi = u.shard_range
         weights = _shard_piece(u) if u.shard is not None else u.flat[lo:hi]
         if not u.trainable:
             pieces.append(SavePiece(f"{u.name}/weights", (weights,)))
             continue
         a = u.opt_range[0]
-        pieces.append(SavePiece(f"{u.name}/master", cut([_saved(p.master) if p.tier == "nvme" else
+        pieces.append(SavePiece(f"{u.name}/master", cut([_saved(p.master) if p.tier is TierName.NVME else
                                                           p.master_values() for p in u.parts],
                                                          lo - a, hi - a)))
         state = engine.optimizer.state.get(u.master, {})
         keys = optim_keys[u.name] = state_keys(u, state)
         for k in keys:
-            parts = [state[k] if p.tier == "device" else _saved(p.state[k]) for p in u.parts]
+            parts = [state[k] if p.tier is TierName.DEVICE else _saved(p.state[k]) for p in u.parts]
             pieces.append(SavePiece(f"{u.name}/optim.{k}", cut(parts, lo - a, hi - a)))
         scalars[u.name] = copy.deepcopy({k: v for k, v in state.items() if k not in keys})
         if in_use and _host_parts(u):
@@ -102,7 +102,7 @@ def state_to_save(engine: "Engine") -> SaveState:
 
 def _host_parts(u: "Unit") -> list:
     """The parts the host kernel steps: in host memory, or streamed from NVMe."""
-    return [p for p in u.parts if p.tier in ("host", "nvme")]
+    return [p for p in u.parts if p.tier is not TierName.DEVICE]
 
 
 def _saved(t):
@@ -177,12 +177,11 @@ def restore_state(engine: "Engine", fill: Fill, optimizer: SavedOptimizer | None
 
 
 def _load_weights(engine: "Engine", fill: Fill, records: dict[str, UnitRecord]) -> None:
-    rank = engine.comm.rank
     for u in engine.units:
         rec = records[u.name]
         if u.trainable:
             for part in u.parts:
-                target = _saved(part.master) if part.tier == "nvme" else part.master.data
+                target = _saved(part.master) if part.tier is TierName.NVME else part.master.data
                 fill(LoadPiece(rec, "values", part.lo, part.hi, target))
             for host in _host_parts(u):  # compute weights follow as a host step's write-back does
                 if host.out16 is not None:
@@ -195,8 +194,8 @@ def _load_weights(engine: "Engine", fill: Fill, records: dict[str, UnitRecord]) 
             u.publish_weights()
             continue
         if u.shard is not None:  # stage 3: the shard is the home of a frozen unit's weights
-            lo = rank * u.shard_numel
-            fill(LoadPiece(rec, "values", lo, lo + u.shard_numel, _shard_piece(u)))
+            lo, hi = u.shard_range
+            fill(LoadPiece(rec, "values", lo, hi, _shard_piece(u)))
             if u.state is not WeightState.SHARDED:
                 fill(LoadPiece(rec, "values", 0, u.padded_numel, u.flat))
         else:
@@ -273,14 +272,13 @@ def _restore_pipeline(engine: "Engine", fill: Fill, records: dict[str, UnitRecor
         log.info("the checkpoint has a delayed host update pending; this engine has no delayed update, "
                  "so it continues from the master (the newest weights)")
         return
-    rank = engine.comm.rank
     for u in engine.units:
         if not _host_parts(u):
             continue
-        lo = rank * u.shard_numel
+        lo, hi = u.shard_range
         u.wait_weights()  # the load's own gather of the master must not land over these
         if u.shard is not None:
-            fill(LoadPiece(records[u.name], IN_USE, lo, lo + u.shard_numel, _shard_piece(u)))
+            fill(LoadPiece(records[u.name], IN_USE, lo, hi, _shard_piece(u)))
         else:
             fill(LoadPiece(records[u.name], IN_USE, 0, u.padded_numel, u.flat))
         u.publish_weights()

@@ -34,6 +34,7 @@ from zerokit.policy import PartitionPolicy
 from zerokit.gather import schedule_for
 from zerokit.tiers import Ledger
 from zerokit.tiers.host_release import release_free_host_memory
+from zerokit.tiers.names import TierName
 
 log = logging.getLogger("zerokit")
 
@@ -541,14 +542,14 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         step's end (weights read for forward and backward, gradients, the optimizer stream, the
         weights written back), GB/s over the I/O's wall time, seconds threads waited on it, and
         the optimizer stream's own wall time."""
-        return self.ledger.io("nvme")
+        return self.ledger.io(TierName.NVME)
 
     def _record_io(self) -> None:
         if self.nvme_tier is None:
             return
         report = self.nvme_tier.stats.take()
         report["stream_s"] = sum(getattr(e, "stream_s", 0.0) for e in self.kernel_executors)
-        self.ledger.record_io("nvme", report)
+        self.ledger.record_io(TierName.NVME, report)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

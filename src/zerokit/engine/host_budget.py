@@ -16,6 +16,7 @@ import psutil
 
 from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
 from zerokit.policy import PlacementPolicy
+from zerokit.tiers.names import TierName
 
 GiB = 1 << 30
 _CGROUP = "/sys/fs/cgroup"
@@ -51,7 +52,7 @@ def host_need(layouts: list, optimizer_kind: str | None) -> HostNeed:
     as Adam (8 bytes per element)."""
     need = HostNeed()
     for layout in layouts:
-        for kind, nbytes in layout.bytes("host").items():
+        for kind, nbytes in layout.bytes(TierName.HOST).items():
             field = _FIELD[kind]
             setattr(need, field, getattr(need, field) + nbytes)
         need.state += STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8) * layout.host_numel

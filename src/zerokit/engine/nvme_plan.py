@@ -17,6 +17,7 @@ import tempfile
 
 from zerokit.engine.host_budget import local_ranks, size
 from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
+from zerokit.tiers.names import TierName
 
 
 class NvmePathError(OSError):
@@ -27,13 +28,14 @@ def nvme_need(layouts: list, optimizer_kind: str | None) -> int:
     """Bytes this rank's nvme parts reserve: the fp32 master and gradient records plus the
     optimizer state, allocated at bind (an optimizer of unknown kind counted as Adam)."""
     state = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
-    return sum(layout.bytes("nvme").get("master", 0) + layout.bytes("nvme").get("grads", 0)
-               + state * layout.nvme_numel for layout in layouts)
+    on_nvme = [layout.bytes(TierName.NVME) for layout in layouts]
+    return sum(files.get("master", 0) + files.get("grads", 0) + state * layout.nvme_numel
+               for files, layout in zip(on_nvme, layouts))
 
 
 def weight_need(layouts: list) -> int:
     """Bytes this rank's weight shard files reserve (offload_param device 'nvme')."""
-    return sum(layout.bytes("nvme").get("weights", 0) for layout in layouts)
+    return sum(layout.bytes(TierName.NVME).get("weights", 0) for layout in layouts)
 
 
 def weight_traffic(layouts: list, micro_steps: int) -> tuple[int, int]:

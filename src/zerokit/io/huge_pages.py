@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 
 HUGE_PAGE = 2 << 20
 # Below this a buffer keeps 4 KiB pages: aligning it to 2 MiB would cost more memory than
@@ -52,14 +51,3 @@ def advise(ptr: int, nbytes: int) -> int:
         return 0
     return end - start
 
-
-def anon_huge_bytes() -> int:
-    """Bytes of this process's memory now backed by transparent huge pages."""
-    try:
-        with open(f"/proc/{os.getpid()}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -9,5 +9,7 @@ and offers the same operations: gradients in (`take_grad`), their norm, clearing
 compute weights (`absorb`), and its new weights out to the weights' home (`write_weights`). An
 executor (parts/executors.py) steps the parts of its tier: torch's optimizer the device parts,
 the native kernel the host parts, the streaming NVMe executor the nvme parts (parts/nvme.py:
-master and state are file ranges).
+master and state are file ranges). Host and nvme parts are separate classes with one small
+interface for their executors (`KernelPart` in parts/kernel_part.py); what they share, the route
+of their new weights (`WeightsOut`) and a held gradient (parts/held_gradient.py), they hold.
 """

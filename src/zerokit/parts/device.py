@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.policy.layout import OptimizerPart
+from zerokit.tiers.names import TierName
 
 
 class DevicePart:
@@ -15,7 +16,7 @@ class DevicePart:
     weights (fp32 compute), `in_place` is True and nothing is copied after the step.
     """
 
-    tier = "device"
+    tier = TierName.DEVICE
 
     def __init__(self, span: OptimizerPart, master: nn.Parameter, grad: torch.Tensor,
                  home: torch.Tensor, in_place: bool, shard_gradients: bool):

@@ -30,41 +30,42 @@ from typing import Any, Callable
 
 import torch
 
-from zerokit.parts.host import HostPart
+from zerokit.parts.kernel_part import KernelOperands, KernelPart
 from zerokit.states import ExecutorState, move
 from zerokit.optim.recipe import state_bytes
 from zerokit.optim import HostAdagrad, HostAdam, HostLion, Lion
 from zerokit.optim import host as K
 from zerokit.policy import PlacementPolicy
+from zerokit.tiers.names import TierName
 
 SUPPORTED = ("Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/AdamW/Adagrad and "
              "zerokit.optim.Lion instances")
 
 
-def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[HostPart, dict, float], None]]:
+def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[KernelOperands, dict, float], None]]:
     """(state family, step function) for the optimizer whose hyper-parameters the host follows."""
     kind = type(optimizer)
     # Subclasses count (DeepSpeed's names in zerokit.compat.deepspeed.ops are subclasses).
     if issubclass(kind, (torch.optim.Adam, torch.optim.AdamW, HostAdam)):
-        def adam(s: HostPart, g: dict, coef: float) -> None:
+        def adam(s: KernelOperands, g: dict, coef: float) -> None:
             adamw = g["adamw_mode"] if issubclass(kind, HostAdam) else \
                 issubclass(kind, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
             b1, b2 = g["betas"]
-            K.adam_step(s.master, s.grad_in_flight, s.state["exp_avg"], s.state["exp_avg_sq"],
+            K.adam_step(s.master, s.grad, s.state["exp_avg"], s.state["exp_avg_sq"],
                         lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
-                        step=s.steps, adamw=adamw, bias_correction=g.get("bias_correction", True),
+                        step=s.step, adamw=adamw, bias_correction=g.get("bias_correction", True),
                         grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
         return "adam", adam
     if issubclass(kind, (torch.optim.Adagrad, HostAdagrad)):
-        def adagrad(s: HostPart, g: dict, coef: float) -> None:
-            K.adagrad_step(s.master, s.grad_in_flight, s.state["sum"], lr=g["lr"], eps=g["eps"],
-                           weight_decay=g["weight_decay"], step=s.steps, lr_decay=g["lr_decay"],
+        def adagrad(s: KernelOperands, g: dict, coef: float) -> None:
+            K.adagrad_step(s.master, s.grad, s.state["sum"], lr=g["lr"], eps=g["eps"],
+                           weight_decay=g["weight_decay"], step=s.step, lr_decay=g["lr_decay"],
                            grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
         return "adagrad", adagrad
     if issubclass(kind, (HostLion, Lion)):
-        def lion(s: HostPart, g: dict, coef: float) -> None:
+        def lion(s: KernelOperands, g: dict, coef: float) -> None:
             b1, b2 = g["betas"]
-            K.lion_step(s.master, s.grad_in_flight, s.state["exp_avg"], lr=g["lr"], beta1=b1,
+            K.lion_step(s.master, s.grad, s.state["exp_avg"], lr=g["lr"], beta1=b1,
                         beta2=b2, weight_decay=g["weight_decay"],
                         grad_scale=-coef if g.get("maximize") else coef, out16=s.out16)
         return "lion", lion
@@ -122,7 +123,7 @@ class DeviceExecutor:
         if self.state is ExecutorState.RUNNING:
             self._move(ExecutorState.IDLE)
             # torch creates its state lazily, at the first step: count what it holds now.
-            self.ledger.hold_bytes("optimizer", "optimizer_state", "device", state_bytes(self.optimizer))
+            self.ledger.hold_bytes("optimizer", "optimizer_state", TierName.DEVICE, state_bytes(self.optimizer))
 
     def after_skip(self) -> None:
         """Nothing was launched, nothing is pending."""
@@ -229,18 +230,18 @@ class HostExecutor:
     of the new weights, and after a checkpoint load that restores a pending write-back.
     """
 
-    tier = "host"  # the parts it steps
+    tier = TierName.HOST  # the parts it steps
 
     def __init__(self, units: list, placement: PlacementPolicy):
         _LIVE.add(self)
-        self.shards: list[HostPart] = [p for u in units for p in u.parts if p.tier == self.tier]
+        self.shards: list[KernelPart] = [p for u in units for p in u.parts if p.tier is self.tier]
         self.placement = placement
         self.launches = 0
         self.state = ExecutorState.IDLE
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._stepped: list[HostPart] = []  # updated by the running / last worker
-        self._written: list[HostPart] = []  # weights written back, not yet published
+        self._stepped: list[KernelPart] = []  # updated by the running / last worker
+        self._written: list[KernelPart] = []  # weights written back, not yet published
         self._copied: Any = None  # CUDA event: host -> device weight copies done
         self.optimizer: torch.optim.Optimizer | None = None
         self._feed: PartFeed | None = None  # the running worker's parts
@@ -344,18 +345,16 @@ class HostExecutor:
         self._worker = threading.Thread(target=run, name=f"zerokit-{self.tier}-step", daemon=True)
         self._worker.start()
 
-    def _enter(self, s: HostPart) -> None:
+    def _enter(self, s: KernelPart) -> None:
         """`s` is stepped by the running worker: counted, its gradient taken, marked busy."""
-        s.steps += 1
-        s.grad_in_flight = s.grad
-        s.busy = self._worker_done
+        s.begin_step(self._worker_done)
         self._stepped.append(s)
 
     def _run(self, feed: PartFeed, groups: list[dict], coef: float) -> None:
         """The update itself, on the worker thread: the kernel over each part in memory."""
         i = 0
         while (s := feed.get(i)) is not None:
-            self._step_fn(s, groups[s.group], coef)
+            self._step_fn(s.operands(), groups[s.group], coef)
             if s.held is not None:  # step_in_backward: the gradient is spent
                 s.held.release()
             feed.finished()

@@ -24,6 +24,7 @@ import torch
 
 from zerokit.io.buffers import aligned_empty
 from zerokit.optim import host as host_kernels
+from zerokit.parts.ranges import uncovered
 
 
 def host_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -88,11 +89,6 @@ class HeldGradient:
         self._sq = 0.0
 
     @property
-    def range(self) -> "HeldGradient":
-        """What an nvme part hands its executor as its gradient (no file range): itself."""
-        return self
-
-    @property
     def nbytes(self) -> int:
         return 0 if self._buf is None else self.numel * 4
 
@@ -117,13 +113,9 @@ class HeldGradient:
         """Elements no piece reached are zero; the norm is exact."""
         if self._settled or self._buf is None:
             return
-        buf, at = self._landing(), 0
-        for a, b in sorted(self._landed):
-            if a > at:
-                buf[at:a].zero_()
-            at = max(at, b)
-        if at < self.numel:
-            buf[at:].zero_()
+        buf = self._landing()
+        for a, b in uncovered(0, self.numel, self._landed):
+            buf[a:b].zero_()
         if self._sq != self._sq:  # NaN: an overlap, or a non-finite piece; recount
             self._sq = host_kernels.grad_sq_norm(buf)[0]
         self._landed = [(0, self.numel)]

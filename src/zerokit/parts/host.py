@@ -5,22 +5,21 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn as nn
 
 from zerokit.policy.layout import OptimizerPart
 from zerokit.parts.held_gradient import HeldGradient
+from zerokit.parts.kernel_part import STATE_NAMES, KernelOperands, WeightsOut
 from zerokit.optim import host as host_kernels
+from zerokit.tiers.names import TierName
 from zerokit.tiers.tier import CopyHandle, Tier
-
-# States per optimizer family, by the names torch uses (so a later checkpoint can share them).
-STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adagrad": ("sum",), "lion": ("exp_avg",)}
 
 
 class HostPart:
     """The host part: master, optimizer state, gradient and output buffers on the host tier,
-    stepped by the native kernel (parts/executors.py `HostExecutor`)."""
+    stepped by the native kernel (parts/executors.py `HostExecutor`); a `KernelPart`
+    (parts/kernel_part.py)."""
 
-    tier = "host"
+    tier = TierName.HOST
 
     def __init__(self, unit, span: OptimizerPart, buffers: dict[str, torch.Tensor], host: Tier,
                  home: torch.Tensor, in_place: bool, pinned: bool):
@@ -31,11 +30,9 @@ class HostPart:
         # step_in_backward: no gradient buffer between steps, one held while in use
         self.held = None if self.grads else HeldGradient(self.numel)
         self.current = 0
-        self.out16 = buffers.get("host_out16")
         self.staging = buffers.get("host_staging")
-        self.pin = pinned
-        self._home = home  # the compute weights this part's update lands in
-        self.in_place = in_place  # the kernel writes `home` itself (offload_param, no delay)
+        # the new weights' way to the compute weights (in_place: the kernel writes them itself)
+        self.out = WeightsOut(home, buffers.get("host_out16"), in_place, pinned)
         self._tier = host
         self.state: dict[str, torch.Tensor] = {}
         self.steps = 0  # host updates applied, the 1-based bias-correction count of the next one
@@ -51,6 +48,26 @@ class HostPart:
     @property
     def numel(self) -> int:
         return self.hi - self.lo
+
+    @property
+    def out16(self) -> torch.Tensor | None:
+        """The kernel's 16-bit output (None in fp32 training: the master is the output)."""
+        return self.out.out16
+
+    @property
+    def pin(self) -> bool:
+        return self.out.pinned
+
+    def begin_step(self, worker_done) -> None:
+        """The executor's worker steps this part next: counted, the gradient it reads taken
+        (the delayed update's backward fills the other buffer meanwhile), marked busy."""
+        self.steps += 1
+        self.grad_in_flight = self.grad
+        self.busy = worker_done
+
+    def operands(self) -> KernelOperands:
+        """The kernel's arguments: the whole part (the worker's, after begin_step)."""
+        return KernelOperands(self.master, self.grad_in_flight, self.state, self.out16, self.steps)
 
     @property
     def grad(self) -> torch.Tensor:
@@ -122,9 +139,7 @@ class HostPart:
 
     def write_weights(self) -> None:
         """The host part's new weights -> the unit's compute weights (its shard or flat range)."""
-        if not self.in_place:
-            src = self.out16 if self.out16 is not None else self.master
-            self._home.copy_(src, non_blocking=self.pin)
+        self.out.write(self.master)
 
     def absorb(self, new: torch.Tensor) -> None:
         """Compute weights were edited: carry changed elements into the host master."""
@@ -132,5 +147,4 @@ class HostPart:
         new = new.to("cpu")
         changed = new != self.master.to(new.dtype)
         self.master[changed] = new[changed].float()
-        if self.out16 is not None:  # a delayed update's write-back must not undo the edit
-            self.out16[changed] = new[changed].to(self.out16.dtype)
+        self.out.absorb(changed, new)

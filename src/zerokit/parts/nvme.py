@@ -1,26 +1,29 @@
 """The nvme part of a unit's optimizer range: master, optimizer state and gradient in files.
 
-See [Note: optimizer parts] in parts/__init__.py. An `NvmePart` is a HostPart whose fp32 master,
-optimizer state and gradient are `FileRange`s on the nvme tier (tiers/nvme.py) instead of host
+See [Note: optimizer parts] in parts/__init__.py. An `NvmePart` keeps its fp32 master, optimizer
+state and gradient as `FileRange`s on the nvme tier (tiers/nvme.py) where a host part keeps host
 tensors (as DeepSpeed swaps its fp32 gradient partitions); only its new compute-dtype weights
 (`out16`, whatever the dtype; with offload_param and no delay, the host shard itself) stay in
-host memory, so the write-back of the weights is the host part's. The gradient arrives through
-`FileGradient` (below). The streaming executor (parts/nvme_executor.py) steps it a sub-group at
+host memory, written back through the same `WeightsOut` a host part holds (parts/kernel_part.py).
+The gradient arrives through `FileGradient` (below), or with step_in_backward is held in memory. The streaming executor (parts/nvme_executor.py) steps it a sub-group at
 a time; the few operations that need the whole master (an edit under GatheredParameters,
 `full_master`) read it whole, one part at a time.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from zerokit.policy.layout import OptimizerPart
-from zerokit.parts.held_gradient import host_buffer
-from zerokit.tiers.nvme_shard import FileHome
-from zerokit.parts.host import STATE_NAMES, HostPart
 from zerokit.io.aio import wait_all
 from zerokit.optim import host as host_kernels
+from zerokit.parts.held_gradient import HeldGradient, host_buffer
+from zerokit.parts.kernel_part import STATE_NAMES, WeightsOut
+from zerokit.parts.ranges import uncovered
+from zerokit.policy.layout import OptimizerPart
+from zerokit.tiers.names import TierName
 from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
-from zerokit.tiers.tier import Tier
+from zerokit.tiers.nvme_shard import FileHome
 
 
 def read_range(nvme: NvmeTier, rng: FileRange) -> torch.Tensor:
@@ -70,7 +73,7 @@ class FileGradient:
         if overlapped:  # accumulation: the earlier value of these elements, plus this piece
             self.settle()
             earlier = read_range(self.nvme, self.range.narrow(lo, hi - lo))
-            for gap_lo, gap_hi in _gaps(lo, hi, overlapped):  # never written since clear: zero
+            for gap_lo, gap_hi in uncovered(lo, hi, overlapped):  # never written since clear: zero
                 earlier[gap_lo - lo:gap_hi - lo] = 0.0
             buf.add_(earlier)
             for a, b in overlapped:  # what lies outside this piece stays written
@@ -100,7 +103,7 @@ class FileGradient:
 
     def zero_unwritten(self) -> None:
         """Elements no piece reached since `clear` hold a stale gradient: write zeros there."""
-        for lo, hi in _gaps(0, self.range.numel, list(self._written)):
+        for lo, hi in uncovered(0, self.range.numel, list(self._written)):
             fill_range(self.nvme, self.range.narrow(lo, hi - lo), 0.0)
             self._written[(lo, hi)] = 0.0
         self.settle()
@@ -111,54 +114,74 @@ class FileGradient:
         self._exact = True
 
 
-def _gaps(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The sub-ranges of [lo, hi) outside every range in `covered`."""
-    out, at = [], lo
-    for a, b in sorted(covered):
-        if a > at:
-            out.append((at, min(a, hi)))
-        at = max(at, b)
-        if at >= hi:
-            break
-    if at < hi:
-        out.append((at, hi))
-    return [(a, b) for a, b in out if a < b]
+class NvmePart:
+    """The nvme part: fp32 master, optimizer state and gradient in files on the nvme tier, the
+    new weights in host memory (or in the shard's file); stepped a sub-group at a time by the
+    streaming executor (parts/nvme_executor.py). A `KernelPart` (parts/kernel_part.py), as the
+    host part is; what the two share is held, not inherited: the route of the new weights
+    (`WeightsOut`) and, with step_in_backward, a `HeldGradient`."""
 
+    tier = TierName.NVME
 
-class NvmePart(HostPart):
-    tier = "nvme"
-
-    def __init__(self, unit, span: OptimizerPart, buffers: dict, host: Tier, nvme: NvmeTier,
-                 home: torch.Tensor, in_place: bool, pinned: bool):
-        names = {"host_master": "nvme_master", "host_grad0": "nvme_grad0", "host_grad1": "nvme_grad1",
-                 "host_out16": "nvme_out"}
-        super().__init__(unit, span, {k: buffers[v] for k, v in names.items() if v in buffers},
-                         host, home, in_place=in_place, pinned=pinned)
+    def __init__(self, unit, span: OptimizerPart, *, master: FileRange, grad_files: list[FileRange],
+                 out16: torch.Tensor | None, nvme: NvmeTier, home, in_place: bool, pinned: bool):
+        self._unit = weakref.ref(unit)  # the unit holds us: a strong link back would be a cycle
+        self.lo, self.hi = span.lo, span.hi
         self.nvme = nvme
-        self.master: FileRange
+        self.master = master
         # one gradient file, two with the delayed update (the stream reads one, backward writes
-        # the other; HostPart.swap_grads flips `current`); none with step_in_backward: held
-        self.gradients = [FileGradient(nvme, g) for g in self.grads] if self.grads else [self.held]
+        # the other; swap_grads flips `current`); none with step_in_backward: held in memory
+        self.held = None if grad_files else HeldGradient(self.numel)
+        self.gradients: list[FileGradient | HeldGradient] = (
+            [FileGradient(nvme, g) for g in grad_files] if grad_files else [self.held])
+        self.current = 0
+        self.out = WeightsOut(home, out16, in_place, pinned)
         # A weight shard on NVMe (offload_param device 'nvme'): no 16-bit copy of the part in RAM;
         # the stream writes each sub-group's new weights to the shard's file (`out_file`).
-        self.out_file = home.range if self.out16 is None and isinstance(home, FileHome) else None
+        self.out_file = home.range if out16 is None and isinstance(home, FileHome) else None
         self.streamed = False  # the running / last stream wrote the new weights to out_file
+        self.state: dict[str, FileRange] = {}
+        self.steps = 0  # updates applied, the 1-based bias-correction count of the next one
+        self.group = 0  # the optimizer param group whose hyper-parameters apply (bound later)
+        self.gradient_in_flight: FileGradient | HeldGradient | None = None  # what the stream reads
+        self.busy = None  # the executor worker that may write master/state (executors.WorkerDone)
+
+    @property
+    def unit(self):
+        return self._unit()
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def out16(self) -> torch.Tensor | None:
+        """The stream's 16-bit output in host memory; None where the shard is a file."""
+        return self.out.out16
+
+    @property
+    def pin(self) -> bool:
+        return self.out.pinned
+
+    def begin_step(self, worker_done) -> None:
+        """The stream steps this part next: counted, the gradient it reads taken, marked busy."""
+        self.steps += 1
+        self.gradient_in_flight = self.gradient
+        self.busy = worker_done
+
+    def swap_grads(self) -> None:
+        """Delayed update: the stream reads this gradient; backward writes the other."""
+        self.current = (self.current + 1) % len(self.gradients)
+
+    def wait(self) -> None:
+        if self.busy is not None:
+            self.busy.wait()
 
     # ---- gradients in: a file (see [Note: gradients on NVMe]) -----------------------------------
     @property
-    def gradient(self) -> FileGradient:
+    def gradient(self) -> FileGradient | HeldGradient:
         """The gradient the current backward writes and the next step reads."""
         return self.gradients[self.current]
-
-    @property
-    def grad(self):
-        """What the step reads: the gradient's file range, or the held gradient itself (the
-        stream takes its sub-groups' values there, see parts/nvme_executor.py)."""
-        return self.gradient.range
-
-    def gradient_in_flight(self) -> "FileGradient | HeldGradient":
-        """The gradient the running (or launching) stream reads."""
-        return next(g for g in self.gradients if g.range is self.grad_in_flight)
 
     def take_grad(self, part: torch.Tensor, offset: int) -> None:
         self.gradient.add(part, offset)
@@ -182,18 +205,19 @@ class NvmePart(HostPart):
             if fill:
                 fill_range(self.nvme, self.state[key], fill)
 
+    # ---- weights out -------------------------------------------------------------------------
     def master_values(self) -> torch.Tensor:
         self.wait()  # a delayed stream may still write the file
         return read_range(self.nvme, self.master)
 
     def write_weights(self) -> None:
-        if self.out_file is None:
-            return super().write_weights()
+        if self.out_file is None:  # the stream wrote host memory: out16 -> the weights' home
+            return self.out.write(None)
         if self.streamed:  # the stream wrote them: only a read-ahead buffer may be stale now
             self.streamed = False
-            self._home.written_elsewhere()
+            self.out.home.written_elsewhere()
         else:  # a load: the masters, rounded, to the file
-            self._home.copy_(self.master_values())
+            self.out.home.copy_(self.master_values())
 
     def absorb(self, new: torch.Tensor) -> None:
         """Compute weights were edited: carry changed elements into the master file."""
@@ -205,6 +229,6 @@ class NvmePart(HostPart):
             master[changed] = new[changed].float()
             self.nvme.write(self.master, master).wait()
         if self.out16 is not None:
-            self.out16[changed] = new[changed].to(self.out16.dtype)
+            self.out.absorb(changed, new)
         else:  # the file is the only 16-bit copy
-            self._home.copy_(new)
+            self.out.home.copy_(new)

@@ -34,12 +34,13 @@ import time
 
 import torch
 
-from zerokit.parts.nvme import NvmePart
+from zerokit.parts.nvme import FileGradient, NvmePart
 from zerokit.parts.held_gradient import HeldGradient, host_buffer
-from zerokit.parts.host import STATE_NAMES
+from zerokit.parts.kernel_part import STATE_NAMES, KernelOperands
 from zerokit.parts.executors import HostExecutor, PartFeed
 from zerokit.io.aio import wait_all
 from zerokit.policy import PlacementPolicy
+from zerokit.tiers.names import TierName
 from zerokit.tiers.nvme import NvmeHandle, NvmeTier
 
 
@@ -60,17 +61,6 @@ class StreamSettings:
         if not self.pipeline_read:
             return 0
         return max(1, self.buffer_count - 2) if self.pipeline_write else self.buffer_count - 1
-
-
-@dataclasses.dataclass
-class _View:
-    """What a kernel step function reads of a part (see executors.kernel_for), for one sub-group."""
-
-    master: torch.Tensor
-    grad_in_flight: torch.Tensor
-    state: dict
-    out16: torch.Tensor | None
-    steps: int
 
 
 class _BufferSet:
@@ -104,7 +94,7 @@ class NvmeExecutor(HostExecutor):
     delayed update and its write-back) with `_run` streaming the parts from their files.
     """
 
-    tier = "nvme"
+    tier = TierName.NVME
 
     def __init__(self, units: list, nvme: NvmeTier, settings: StreamSettings, ledger,
                  placement: PlacementPolicy):
@@ -116,10 +106,6 @@ class NvmeExecutor(HostExecutor):
     @property
     def parts(self) -> list[NvmePart]:
         return self.shards
-
-    def set_bytes(self) -> int:
-        """Host bytes of the buffer sets (what the host budget counts for the stream)."""
-        return buffer_set_bytes(self.settings, self.family, max((p.numel for p in self.parts), default=0))
 
     def _run(self, feed: PartFeed, groups: list[dict], coef: float) -> None:
         """On the worker thread: the stream, timed."""
@@ -145,7 +131,7 @@ class NvmeExecutor(HostExecutor):
                         and p.out_file.dtype != torch.float32), None)
             self._sets = [_BufferSet(numel, STATE_NAMES[self.family], self.settings.gradients_in_files,
                                      out) for _ in range(self.settings.buffer_count)]
-            self.ledger.hold_bytes("nvme_executor/buffer_sets", "buffers", "host",
+            self.ledger.hold_bytes("nvme_executor/buffer_sets", "buffers", TierName.HOST,
                                    sum(b.nbytes for b in self._sets))
         return self._sets
 
@@ -162,7 +148,7 @@ class NvmeExecutor(HostExecutor):
                 if s is None:
                     return None
                 taken += 1
-                s.gradient_in_flight().zero_unwritten()
+                s.gradient_in_flight.zero_unwritten()
                 subs.extend((s, lo, min(size, s.numel - lo)) for lo in range(0, s.numel, size))
             return subs[j]
 
@@ -177,8 +163,9 @@ class NvmeExecutor(HostExecutor):
             b = sets[j % count]
             b.wait_writes()  # the set's previous sub-group is on disk before we overwrite it
             b.reads = [self.nvme.read(s.master.narrow(lo, n), b.master[:n])]
-            if not isinstance(s.grad_in_flight, HeldGradient):  # held: the kernel reads it there
-                b.reads.append(self.nvme.read(s.grad_in_flight.narrow(lo, n), b.grad[:n]))
+            grad = s.gradient_in_flight
+            if isinstance(grad, FileGradient):  # held in memory: the kernel reads it there
+                b.reads.append(self.nvme.read(grad.range.narrow(lo, n), b.grad[:n]))
             b.reads += [self.nvme.read(s.state[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
 
         i = 0
@@ -217,12 +204,13 @@ class NvmeExecutor(HostExecutor):
         else:  # weights on NVMe: the set's buffer, written to the file after (None: fp32)
             out = b.out16[:n] if b.out16 is not None else None
         sixteen = out is not None and out.dtype != torch.float32
-        held = s.grad_in_flight if isinstance(s.grad_in_flight, HeldGradient) else None
-        view = _View(b.master[:n], held.values(lo, n) if held is not None else b.grad[:n],
-                     {k: v[:n] for k, v in b.state.items()}, out if sixteen else None, s.steps)
-        self._step_fn(view, group, coef)
+        grad = s.gradient_in_flight
+        ops = KernelOperands(b.master[:n],
+                             grad.values(lo, n) if isinstance(grad, HeldGradient) else b.grad[:n],
+                             {k: v[:n] for k, v in b.state.items()}, out if sixteen else None, s.steps)
+        self._step_fn(ops, group, coef)
         if out is not None and not sixteen:  # fp32 compute: the new weights are the new master
-            out.copy_(view.master)
+            out.copy_(ops.master)
 
     def _drain(self) -> None:
         for b in self._sets:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from zerokit.policy import PartitionPolicy, PlacementPolicy
+from zerokit.tiers.names import TierName
 
 ALIGN = 32  # elements per shard boundary: keeps every shard 64-byte aligned for SIMD kernels
 
@@ -51,13 +52,16 @@ class BufferRecord:
 
     name: str
     kind: str            # the ledger kind: weights, grads, master, optimizer_state, buffers
-    tier: str            # device, host, nvme
+    tier: TierName
     dtype: torch.dtype
     lo: int              # element range [lo, hi) in the unit's flat index space
     hi: int
     alias_of: str | None = None  # a view of that record's storage over the same elements
     pinned: bool = False  # page-locked host memory (crosses to a CUDA device)
     transient: bool = False  # storage exists only while in use (stage 3's gathered weights)
+
+    def __post_init__(self):  # a plain name ("host") becomes the enum: code compares with `is`
+        object.__setattr__(self, "tier", TierName(self.tier))
 
     @property
     def numel(self) -> int:
@@ -72,9 +76,12 @@ class BufferRecord:
 class OptimizerPart:
     """A contiguous piece of a unit's optimizer range stepped on one tier."""
 
-    tier: str
+    tier: TierName
     lo: int
     hi: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "tier", TierName(self.tier))
 
     @property
     def numel(self) -> int:
@@ -86,6 +93,7 @@ class UnitLayout:
     numel: int
     padded_numel: int
     shard_numel: int
+    shard_range: tuple[int, int]          # this rank's shard [r * shard_numel, (r + 1) * shard_numel)
     opt_range: tuple[int, int]
     parts: tuple[OptimizerPart, ...]      # host part (if any) first, then the device part
     records: tuple[BufferRecord, ...]     # in allocation order: a record's alias comes before it
@@ -112,13 +120,13 @@ class UnitLayout:
 
     @property
     def host_numel(self) -> int:
-        return sum(p.numel for p in self.parts if p.tier == "host")
+        return sum(p.numel for p in self.parts if p.tier is TierName.HOST)
 
     @property
     def nvme_numel(self) -> int:
-        return sum(p.numel for p in self.parts if p.tier == "nvme")
+        return sum(p.numel for p in self.parts if p.tier is TierName.NVME)
 
-    def bytes(self, tier: str) -> dict[str, int]:
+    def bytes(self, tier: TierName) -> dict[str, int]:
         """Bytes the records own on `tier`, by ledger kind (aliases own nothing)."""
         out: dict[str, int] = {}
         for r in self.records:
@@ -127,13 +135,16 @@ class UnitLayout:
         return out
 
 
-def geometry(numel: int, world: int, rank: int, shard_optimizer: bool) -> tuple[int, int, tuple[int, int]]:
-    """(padded_numel, shard_numel, optimizer range): see [Note: unit layout] in units/unit.py."""
+def geometry(numel: int, world: int, rank: int,
+             shard_optimizer: bool) -> tuple[int, int, tuple[int, int], tuple[int, int]]:
+    """(padded_numel, shard_numel, this rank's shard range, optimizer range): see [Note: unit
+    layout] in units/unit.py. The one place a rank's shard range is computed; everything else
+    reads it from the layout (`UnitLayout.shard_range`, `Unit.shard_range`)."""
     quantum = world * ALIGN
     padded = -(-numel // quantum) * quantum
     shard = padded // world
-    start = rank * shard
-    return padded, shard, ((start, start + shard) if shard_optimizer else (0, padded))
+    own = (rank * shard, (rank + 1) * shard)
+    return padded, shard, own, (own if shard_optimizer else (0, padded))
 
 
 def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
@@ -149,44 +160,45 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     placement.params_on_nvme, elements of offload_param.max_in_cpu the units before this one
     left: a shard that fits stays in host memory, else it is a file.
     """
-    padded, shard_numel, (a, b) = geometry(numel, world, rank, partition.shard_optimizer)
+    padded, shard_numel, own, (a, b) = geometry(numel, world, rank, partition.shard_optimizer)
     fp32 = compute_dtype == torch.float32
     f32 = torch.float32
     pin_params = placement.param_pin_memory and cuda and torch.cuda.is_available()
-    records = [BufferRecord("weights", "weights", "device", compute_dtype, 0, padded,
+    records = [BufferRecord("weights", "weights", TierName.DEVICE, compute_dtype, 0, padded,
                             transient=partition.shard_weights)]
-    lo = rank * shard_numel
+    lo, hi = own
     shard_tier = placement.param_tier(shard_numel, param_ram_left)
     if partition.shard_weights:
-        records.append(BufferRecord("shard", "weights", shard_tier, compute_dtype, lo,
-                                    lo + shard_numel, pinned=pin_params and shard_tier != "nvme"))
-        if shard_tier == "nvme":
-            records.append(BufferRecord("shard_buffer", "buffers", "host", compute_dtype, lo,
-                                        lo + shard_numel, pinned=pin_params, transient=True))
+        records.append(BufferRecord("shard", "weights", shard_tier, compute_dtype, lo, hi,
+                                    pinned=pin_params and shard_tier is not TierName.NVME))
+        if shard_tier is TierName.NVME:
+            records.append(BufferRecord("shard_buffer", "buffers", TierName.HOST, compute_dtype,
+                                        lo, hi, pinned=pin_params, transient=True))
     home = "shard" if partition.shard_weights else "weights"  # where the weights persist
     if not trainable:
-        return UnitLayout(numel, padded, shard_numel, (a, b), (), tuple(records))
+        return UnitLayout(numel, padded, shard_numel, own, (a, b), (), tuple(records))
 
     k = placement.host_numel(b - a) if placement.offloads else 0
     h = placement.ram_split(k, ram_left)  # [a, a + h) in host memory, [a + h, a + k) on NVMe
-    parts = tuple(p for p in (OptimizerPart("host", a, a + h), OptimizerPart("nvme", a + h, a + k),
-                              OptimizerPart("device", a + k, b))
-                  if p.numel or p.tier == "device")
+    parts = tuple(p for p in (OptimizerPart(TierName.HOST, a, a + h),
+                              OptimizerPart(TierName.NVME, a + h, a + k),
+                              OptimizerPart(TierName.DEVICE, a + k, b))
+                  if p.numel or p.tier is TierName.DEVICE)
     if not partition.shard_gradients:
-        records.append(BufferRecord("grads", "grads", "device", compute_dtype, 0, padded))
+        records.append(BufferRecord("grads", "grads", TierName.DEVICE, compute_dtype, 0, padded))
     # fp32 compute: the optimizer steps the weights in place, where they live on the device.
-    master_is_weights = fp32 and next(r for r in records if r.name == home).tier == "device"
-    records.append(BufferRecord("master", "master", "device", f32, a + k, b,
+    master_is_weights = fp32 and next(r for r in records if r.name == home).tier is TierName.DEVICE
+    records.append(BufferRecord("master", "master", TierName.DEVICE, f32, a + k, b,
                                 alias_of=home if master_is_weights else None))
     # DDP in fp32: reduce in place in the gradient buffer, no second copy.
     grads_are_master = (not partition.shard_gradients and not partition.shard_optimizer and fp32
                         and reduce_dtype == f32 and k == 0)
-    records.append(BufferRecord("master_grad", "grads", "device", f32, a + k, b,
+    records.append(BufferRecord("master_grad", "grads", TierName.DEVICE, f32, a + k, b,
                                 alias_of="grads" if grads_are_master else None))
     if not partition.shard_gradients and not fp32 and grad_accum_steps > 1:
         # Stage 0: the fp32 sum of the micro-steps is the master gradient itself.
         sums_in_master = not partition.shard_optimizer and k == 0
-        records.append(BufferRecord("grad_acc", "grads", "device", f32, 0, padded,
+        records.append(BufferRecord("grad_acc", "grads", TierName.DEVICE, f32, 0, padded,
                                     alias_of="master_grad" if sums_in_master else None))
     if h:
         records += _host_part_records(placement, partition, compute_dtype, a, a + h, cuda,
@@ -194,36 +206,36 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     if k > h:
         records += _nvme_part_records(placement, partition, compute_dtype, a + h, a + k, cuda,
                                       shard_tier)
-    return UnitLayout(numel, padded, shard_numel, (a, b), parts, tuple(records))
+    return UnitLayout(numel, padded, shard_numel, own, (a, b), parts, tuple(records))
 
 
 def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
                        compute_dtype: torch.dtype, lo: int, hi: int, cuda: bool,
-                       shard_tier: str) -> list[BufferRecord]:
+                       shard_tier: TierName) -> list[BufferRecord]:
     f32 = torch.float32
     fp32 = compute_dtype == f32
     pin = placement.pin_memory and cuda and torch.cuda.is_available()
     # offload_param without the delay: the host update writes the host shard in place.
-    in_place = shard_tier == "host" and not placement.delayed and partition.shard_weights
-    out = [BufferRecord("host_master", "master", "host", f32, lo, hi, pinned=pin,
+    in_place = shard_tier is TierName.HOST and not placement.delayed and partition.shard_weights
+    out = [BufferRecord("host_master", "master", TierName.HOST, f32, lo, hi, pinned=pin,
                         alias_of="shard" if in_place and fp32 else None)]
     # With the delayed update the worker reads one gradient buffer while the next backward fills
     # the other; without it one buffer suffices; stepped in backward, none is kept between steps
-    # (parts/host.py HeldGradient).
+    # (parts/held_gradient.py HeldGradient).
     for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1):
-        out.append(BufferRecord(f"host_grad{i}", "grads", "host", f32, lo, hi, pinned=pin))
+        out.append(BufferRecord(f"host_grad{i}", "grads", TierName.HOST, f32, lo, hi, pinned=pin))
     if not fp32:
-        out.append(BufferRecord("host_out16", "buffers", "host", compute_dtype, lo, hi, pinned=pin,
-                                alias_of="shard" if in_place else None))
+        out.append(BufferRecord("host_out16", "buffers", TierName.HOST, compute_dtype, lo, hi,
+                                pinned=pin, alias_of="shard" if in_place else None))
     if cuda:
-        out.append(BufferRecord("host_staging", "buffers", "host", f32, lo, hi,
+        out.append(BufferRecord("host_staging", "buffers", TierName.HOST, f32, lo, hi,
                                 pinned=torch.cuda.is_available()))
     return out
 
 
 def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
                        compute_dtype: torch.dtype, lo: int, hi: int, cuda: bool,
-                       shard_tier: str) -> list[BufferRecord]:
+                       shard_tier: TierName) -> list[BufferRecord]:
     """ZeRO-Infinity's part: the fp32 master and gradient in files (the optimizer state joins at
     bind), as DeepSpeed swaps them; the new compute-dtype weights in host memory
     (parts/nvme_executor.py). Gradients reach their file through small host buffers
@@ -232,14 +244,15 @@ def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     pin = placement.pin_memory and cuda and torch.cuda.is_available()
     # offload_param without the delay: the stream writes the new weights into the host shard
     # itself, as the host part does (no second 16-bit copy of the part in RAM).
-    in_place = shard_tier == "host" and not placement.delayed and partition.shard_weights
+    in_place = shard_tier is TierName.HOST and not placement.delayed and partition.shard_weights
     # With the delayed update the stream reads one gradient file while backward writes the other;
     # stepped in backward, the gradient is held in host memory until stepped (no file).
-    grads = [BufferRecord(f"nvme_grad{i}", "grads", "nvme", f32, lo, hi)
+    grads = [BufferRecord(f"nvme_grad{i}", "grads", TierName.NVME, f32, lo, hi)
              for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1)]
-    records = [BufferRecord("nvme_master", "master", "nvme", f32, lo, hi), *grads]
-    if shard_tier != "nvme":  # the step's new weights, written back to the weights' home after
-        # the stream (a shard on NVMe: the stream writes them to its file a sub-group at a time)
-        records.append(BufferRecord("nvme_out", "buffers", "host", compute_dtype, lo, hi,
+    records = [BufferRecord("nvme_master", "master", TierName.NVME, f32, lo, hi), *grads]
+    if shard_tier is not TierName.NVME:  # the step's new weights, written back to the weights'
+        # home after the stream (a shard on NVMe: the stream writes them to its file a sub-group
+        # at a time)
+        records.append(BufferRecord("nvme_out", "buffers", TierName.HOST, compute_dtype, lo, hi,
                                     pinned=pin, alias_of="shard" if in_place else None))
     return records

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerokit.tiers.names import TierName
+
 # Split points are multiples of this many elements, so the host part starts and ends on a
 # 64-element (256-byte fp32) boundary, the unit the host kernels split work between threads in.
 SPLIT_ALIGN = 64
@@ -105,18 +107,12 @@ class PlacementPolicy:
             return offloaded
         return max(0, ram_left // SPLIT_ALIGN * SPLIT_ALIGN)
 
-    def param_tier(self, shard_numel: int, param_ram_left: int) -> str:
+    def param_tier(self, shard_numel: int, param_ram_left: int) -> TierName:
         """The tier of a stage-3 weight shard of `shard_numel` elements when `param_ram_left`
         elements of offload_param.max_in_cpu remain."""
         if self.params_on_nvme:
-            return "host" if shard_numel <= param_ram_left else "nvme"
-        return "host" if self.params_on_host else "device"
-
-    def tier(self, piece: str, host_part: bool) -> str:
-        """The ledger tier of `piece` ('master', 'optimizer_state', 'grads') for one part."""
-        if piece not in ("master", "optimizer_state", "grads"):
-            raise ValueError(f"placement covers master, optimizer_state and grads, not {piece!r}")
-        return "host" if host_part else "device"
+            return TierName.HOST if shard_numel <= param_ram_left else TierName.NVME
+        return TierName.HOST if self.params_on_host else TierName.DEVICE
 
     def describe_params(self) -> str:
         if self.params_on_nvme:

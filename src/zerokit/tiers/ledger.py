@@ -12,12 +12,16 @@ from typing import Callable
 
 import torch
 
-TIERS = ("device", "host", "nvme")
+from zerokit.sizes import mib
+from zerokit.tiers.names import TierName
+
+TIERS = tuple(TierName)
+_TIER_TEXT = tuple(t.value for t in TIERS)  # errors print ('device', 'host', 'nvme')
 KINDS = ("weights", "grads", "master", "optimizer_state", "buffers", "activations")
 
 
-def tier_of(t: torch.Tensor) -> str:
-    return "device" if t.device.type != "cpu" else "host"
+def tier_of(t: torch.Tensor) -> TierName:
+    return TierName.DEVICE if t.device.type != "cpu" else TierName.HOST
 
 
 class Ledger:
@@ -34,10 +38,10 @@ class Ledger:
     def _tier(self, t: torch.Tensor, tier: str | None) -> str:
         if tier is not None:
             if tier not in TIERS:
-                raise ValueError(f"tier {tier!r} is not one of {TIERS}")
-            return tier
+                raise ValueError(f"tier {tier!r} is not one of {_TIER_TEXT}")
+            return TierName(tier)
         found = tier_of(t)
-        return "device" if found == "host" and self.cpu_is_device else found
+        return TierName.DEVICE if found is TierName.HOST and self.cpu_is_device else found
 
     def _add(self, key: tuple[str, str], nbytes: int) -> None:
         self._current[key] += nbytes
@@ -47,7 +51,8 @@ class Ledger:
         """Count bytes under a name: a tier's allocation (tiers/tier.py), or bytes another owner
         allocated (torch's optimizer state, created lazily by torch)."""
         if kind not in KINDS or tier not in TIERS:
-            raise ValueError(f"ledger entry {name!r}: kind {kind!r} / tier {tier!r} not in {KINDS} / {TIERS}")
+            raise ValueError(f"ledger entry {name!r}: kind {kind!r} / tier {tier!r} not in {KINDS} / {_TIER_TEXT}")
+        tier = TierName(tier)
         if name in self._held:
             self.release(name)
         self._held[name] = (tier, kind, nbytes)
@@ -80,7 +85,7 @@ class Ledger:
         """A step's I/O on `tier` (the nvme executor's: bytes read / written, GB/s, wait)."""
         self._io[tier] = dict(report)
 
-    def io(self, tier: str = "nvme") -> dict[str, float]:
+    def io(self, tier: str = TierName.NVME) -> dict[str, float]:
         """The last step's I/O report on `tier`, {} if none ran."""
         return dict(self._io.get(tier, {}))
 
@@ -103,10 +108,6 @@ class Ledger:
         for tier, kinds in rows.items():
             if not any(kinds.values()):
                 continue
-            lines.append(f"{tier:<8}" + "".join(f"{_mib(v):>17}" for v in kinds.values())
-                         + f"{_mib(sum(kinds.values())):>12}")
+            lines.append(f"{tier:<8}" + "".join(f"{mib(v, grouped=False):>17}" for v in kinds.values())
+                         + f"{mib(sum(kinds.values()), grouped=False):>12}")
         return "\n".join(lines)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"

@@ -40,6 +40,7 @@ import torch
 from zerokit.io.aio import AioConfig, AioError, AsyncIO, IOHandle
 from zerokit.io.swap_directory import SWAP_DIR, SwapDirectory  # noqa: F401 (SWAP_DIR: re-exported)
 from zerokit.tiers.ledger import Ledger
+from zerokit.tiers.names import TierName
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +154,7 @@ class NvmeTier:
     """File ranges in a claimed directory under `directory`/zerokit-swap (weight shards under
     `weights_directory`'s where given), counted in the ledger's nvme tier."""
 
-    name = "nvme"
+    name = TierName.NVME
 
     def __init__(self, ledger: Ledger, directory: str, *, rank: int = 0,
                  config: AioConfig | None = None, backend: str = "auto",

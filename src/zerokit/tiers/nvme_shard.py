@@ -22,6 +22,7 @@ import enum
 
 import torch
 
+from zerokit.tiers.names import TierName
 from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
 
 
@@ -65,7 +66,7 @@ class NvmeShard:
         self._nbytes = buffer.untyped_storage().nbytes()
         self._read: NvmeHandle | None = None
         self._writes: list[tuple[NvmeHandle, torch.Tensor]] = []  # with the source they read
-        self._release = ledger.transient("buffers", buffer, tier="host")
+        self._release = ledger.transient("buffers", buffer, tier=TierName.HOST)
         self.residency = ShardResidency.RESIDENT
         self.home = FileHome(self, file)
 
@@ -83,7 +84,7 @@ class NvmeShard:
         storage = self.buffer.untyped_storage()
         if storage.nbytes() != self._nbytes:
             storage.resize_(self._nbytes)
-            self._release = self.ledger.transient("buffers", self.buffer, tier="host")
+            self._release = self.ledger.transient("buffers", self.buffer, tier=TierName.HOST)
         self._read = self.nvme.read(self.file, self.buffer)
         self.residency = ShardResidency.READING
 

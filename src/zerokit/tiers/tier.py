@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from zerokit.tiers.ledger import Ledger
+from zerokit.tiers.names import TierName
 from zerokit.tiers.transfer import side_stream
 
 
@@ -74,7 +75,7 @@ class Tier:
 
 
 class DeviceTier(Tier):
-    name = "device"
+    name = TierName.DEVICE
 
     def __init__(self, ledger: Ledger, device: torch.device):
         super().__init__(ledger)
@@ -85,7 +86,7 @@ class DeviceTier(Tier):
 
 
 class HostTier(Tier):
-    name = "host"
+    name = TierName.HOST
 
     def _empty(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
@@ -94,7 +95,7 @@ class HostTier(Tier):
 def tiers_for(ledger: Ledger, device: torch.device, nvme=None) -> dict:
     """The tiers a unit on `device` allocates from, by name; `nvme` (a tiers/nvme.py NvmeTier,
     shared by every unit of the engine) where the placement puts anything on NVMe."""
-    tiers = {"device": DeviceTier(ledger, device), "host": HostTier(ledger)}
+    tiers = {TierName.DEVICE: DeviceTier(ledger, device), TierName.HOST: HostTier(ledger)}
     if nvme is not None:
-        tiers["nvme"] = nvme
+        tiers[TierName.NVME] = nvme
     return tiers

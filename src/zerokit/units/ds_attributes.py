@@ -69,7 +69,7 @@ class ZeroParameter(nn.Parameter):
         shard of the unit (1-D, possibly empty). A view: writing to it edits the shard; with
         offload_param nvme a copy read from the shard's file (writing to it edits nothing)."""
         unit, slot = self._slot()
-        lo = unit.comm.rank * unit.shard_numel
+        lo = unit.shard_range[0]
         a = min(max(slot.offset - lo, 0), unit.shard_numel)
         b = min(max(slot.offset + slot.numel - lo, 0), unit.shard_numel)
         return unit.shard[a:b] if unit.nvme_shard is None else unit.shard_values()[a:b]

@@ -25,8 +25,10 @@ visibly wrong, and writing to it raises. Gathering points the parameters back in
 - `grad_flat`   compute-dtype full-size gradients that `p.grad` views point into; only where
                 gradients are reduced once per accumulation boundary (not sharded).
 - `parts`       the optimizer range as parts ([Note: optimizer parts] in parts/__init__.py): with
-                offload a HostPart (fp32 master, optimizer state, gradient on the host tier) for
-                the first `host_numel` elements, then always a DevicePart for the rest.
+                offload a HostPart (parts/host.py: fp32 master, optimizer state, gradient on the
+                host tier) for the first `host_numel` elements, with offload_optimizer nvme an
+                NvmePart (parts/nvme.py: the same in files) for the next `nvme_numel`, then
+                always a DevicePart (parts/device.py) for the rest.
 - `master`      the device part's fp32 weights: this rank's shard of the optimizer range if the
                 optimizer state is partitioned, the whole buffer otherwise; in fp32 training a
                 view of the weights. `master_grad`: its reduced gradient, which the optimizer
@@ -48,8 +50,8 @@ of it in the reduce dtype that is then written back over it. Adding instead woul
 `master_grad` = local sum + global average wherever the local sum lives in `master_grad` and
 crosses in another dtype (issue #14).
 
-`master.grad` is linked to `master_grad` by the engine only while the optimizer steps (see
-Engine._run_optimizer): user code that resets `.grad` between steps (`optimizer.zero_grad()`)
+`master.grad` is linked to `master_grad` only while torch's optimizer steps (see
+DeviceExecutor.launch in parts/executors.py): user code that resets `.grad` between steps (`optimizer.zero_grad()`)
 then neither unlinks nor zeroes what the step reads.
 """
 from __future__ import annotations
@@ -67,7 +69,7 @@ from zerokit.parts.device import DevicePart
 from zerokit.parts.host import HostPart
 from zerokit.states import WeightState, move
 from zerokit.policy import PartitionPolicy, PlacementPolicy
-from zerokit.tiers import Ledger, tiers_for
+from zerokit.tiers import Ledger, TierName, tiers_for
 from zerokit.tiers.transfer import side_stream, uses_streams
 
 
@@ -141,6 +143,7 @@ class Unit:
                              f"parameters have {offset}")
         self.layout = layout
         self.padded_numel, self.shard_numel = layout.padded_numel, layout.shard_numel
+        self.shard_range = layout.shard_range  # this rank's elements [lo, hi) of the flat index space
         self.opt_range = layout.opt_range
         self._release_bytes = None  # ledger release of the gathered full weights (stage 3)
         self._sync_initial_values()
@@ -166,7 +169,7 @@ class Unit:
             if r.alias_of is not None:
                 target = self.layout.record(r.alias_of)
                 bufs[r.name] = bufs[r.alias_of][r.lo - target.lo:r.hi - target.lo]
-            elif r.transient and r.tier == "host":  # a shard's host buffer (tiers/nvme_shard.py)
+            elif r.transient and r.tier is TierName.HOST:  # a shard's host buffer (tiers/nvme_shard.py)
                 from zerokit.parts.nvme import host_buffer
 
                 bufs[r.name] = host_buffer(r.numel, r.dtype)
@@ -177,12 +180,12 @@ class Unit:
                                                       r.dtype, pinned=r.pinned)
         flat = bufs["weights"]
         for r in self.layout.records:  # masters from the parameters, before they point into flat
-            if r.kind == "master" and r.alias_of is None and r.tier == "nvme":
+            if r.kind == "master" and r.alias_of is None and r.tier is TierName.NVME:
                 from zerokit.parts.nvme import fill_range, host_buffer  # the I/O engine: only with NVMe
 
                 staged = host_buffer(r.numel)  # one part's master in RAM, then to its file
                 self._copy_param_values(staged, r.lo, r.hi)
-                fill_range(tiers["nvme"], bufs[r.name], staged)
+                fill_range(tiers[TierName.NVME], bufs[r.name], staged)
             elif r.kind == "master" and r.alias_of is None:
                 self._copy_param_values(bufs[r.name], r.lo, r.hi)
         self._copy_param_values(flat, 0, self.padded_numel)
@@ -198,12 +201,12 @@ class Unit:
             from zerokit.tiers.nvme_shard import NvmeShard
 
             self.shard = bufs["shard_buffer"]
-            self.nvme_shard = NvmeShard(tiers["nvme"], bufs["shard"], self.shard, self.ledger)
+            self.nvme_shard = NvmeShard(tiers[TierName.NVME], bufs["shard"], self.shard, self.ledger)
         self._placeholder = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
         self._state = WeightState.GATHERED
         if self.shard is not None:
-            lo = self.comm.rank * self.shard_numel
-            self.shard.copy_(flat[lo:lo + self.shard_numel])
+            lo, hi = self.shard_range
+            self.shard.copy_(flat[lo:hi])
             if self.nvme_shard is not None:
                 self.nvme_shard.write_values(self.shard)
                 self.nvme_shard.drop_clean()
@@ -219,19 +222,21 @@ class Unit:
         if self.nvme_shard is not None:  # the parts write new weights straight to the file
             home = self.nvme_shard.home
         home_lo = self.layout.record("shard" if self.shard is not None else "weights").lo
-        host = next((p for p in self.layout.parts if p.tier == "host"), None)
+        host = next((p for p in self.layout.parts if p.tier is TierName.HOST), None)
         if host is not None:
             out = "host_out16" if self.layout.has("host_out16") else "host_master"
-            self.parts.append(HostPart(self, host, bufs, tiers["host"],
+            self.parts.append(HostPart(self, host, bufs, tiers[TierName.HOST],
                                        home[host.lo - home_lo:host.hi - home_lo],
                                        in_place=self.layout.aliases(out, "shard"),
                                        pinned=self.layout.record("host_master").pinned))
-        nvme = next((p for p in self.layout.parts if p.tier == "nvme"), None)
+        nvme = next((p for p in self.layout.parts if p.tier is TierName.NVME), None)
         if nvme is not None:
             from zerokit.parts.nvme import NvmePart
 
-            self.parts.append(NvmePart(self, nvme, bufs, tiers["host"], tiers["nvme"],
-                                       home[nvme.lo - home_lo:nvme.hi - home_lo],
+            grad_files = [bufs[n] for n in ("nvme_grad0", "nvme_grad1") if n in bufs]
+            self.parts.append(NvmePart(self, nvme, master=bufs["nvme_master"], grad_files=grad_files,
+                                       out16=bufs.get("nvme_out"), nvme=tiers[TierName.NVME],
+                                       home=home[nvme.lo - home_lo:nvme.hi - home_lo],
                                        in_place=self.layout.aliases("nvme_out", "shard"),
                                        pinned=self.layout.has("nvme_out") and self.layout.record("nvme_out").pinned))
         span = self.layout.parts[-1]
@@ -356,7 +361,7 @@ class Unit:
 
     @property
     def _streams_buckets(self) -> bool:
-        return any(p.tier != "device" for p in self.parts)
+        return any(p.tier is not TierName.DEVICE for p in self.parts)
 
     def _deliver(self, reduced: torch.Tensor, lo: int, hi: int) -> None:
         """The reduced gradient of elements [lo, hi) of the optimizer range (flat index space)
@@ -446,8 +451,8 @@ class Unit:
             self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
                                                        unit=self.index)
             return
-        lo = self.comm.rank * self.shard_numel
-        own = self.flat[lo:lo + self.shard_numel]  # this rank's slot: the all-gather's input
+        lo, hi = self.shard_range
+        own = self.flat[lo:hi]  # this rank's slot: the all-gather's input
         if self.nvme_shard is not None:
             # From NVMe through the host buffer: waits for its read (or reads now). The buffer is
             # freed once copied (on CUDA the pinned allocator keeps it until the copy is done).
@@ -508,11 +513,11 @@ class Unit:
         to read (or to edit a few weights) does not lose the master's precision elsewhere.
         """
         if self.shard is not None:
-            lo = self.comm.rank * self.shard_numel
+            lo, hi = self.shard_range
             if self.nvme_shard is not None:
-                self.nvme_shard.write_values(self.flat[lo:lo + self.shard_numel])
+                self.nvme_shard.write_values(self.flat[lo:hi])
             else:
-                self.shard.copy_(self.flat[lo:lo + self.shard_numel])
+                self.shard.copy_(self.flat[lo:hi])
         for part in self.parts:
             part.absorb(self.flat[part.lo:part.hi])
 
@@ -569,8 +574,8 @@ class Unit:
                 full[part.lo:part.hi].copy_(part.master_values())
             partitioned = self.policy.shard_optimizer
         elif self.shard is not None:
-            lo = self.comm.rank * self.shard_numel
-            full[lo:lo + self.shard_numel].copy_(self.shard_values())
+            lo, hi = self.shard_range
+            full[lo:hi].copy_(self.shard_values())
             partitioned = True
         else:
             return self.flat.float()

@@ -1,0 +1,94 @@
+"""What the host kernel's executors ask of a part, and the pieces host and nvme parts share.
+
+A host part (parts/host.py) and an nvme part (parts/nvme.py) are both stepped by the native
+kernel on an executor's worker (parts/executors.py), but they hold their state differently: the
+host part in host tensors, the nvme part in file ranges streamed a sub-group at a time. Neither is
+the other: each implements `KernelPart`, the small interface the executors use, and both hold a
+`WeightsOut` (the route of their new weights to the unit's compute weights). The kernel itself
+sees neither part: a step function reads `KernelOperands`, which the host executor takes from a
+host part whole and the streaming executor builds per sub-group from its buffer sets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+# States per optimizer family, by the names torch uses (so a checkpoint can share them).
+STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adagrad": ("sum",), "lion": ("exp_avg",)}
+
+
+@dataclass
+class KernelOperands:
+    """One call of the host kernel (parts/executors.py `kernel_for`): contiguous host tensors of
+    one length, updated in place (master, state) or written (out16: the new 16-bit weights)."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    state: dict[str, torch.Tensor]
+    out16: torch.Tensor | None
+    step: int  # the 1-based bias-correction count of this update
+
+
+class WeightsOut:
+    """A kernel part's new weights on their way to the weights' home (the unit's shard or its
+    range of the flat weights): the 16-bit output the kernel wrote, or the fp32 master itself
+    where there is none; nothing to copy where the kernel writes the home in place (offload_param
+    without the delayed update: `out16`, or the master, is a view of the host shard)."""
+
+    def __init__(self, home, out16: torch.Tensor | None, in_place: bool, pinned: bool):
+        self.home = home  # a tensor, or (weights on NVMe) tiers/nvme_shard.py FileHome
+        self.out16 = out16
+        self.in_place = in_place
+        self.pinned = pinned  # host buffers cross to a CUDA device: the copy may be asynchronous
+
+    def write(self, master: torch.Tensor | None) -> None:
+        """The new weights -> the home (`master` read only where there is no 16-bit output)."""
+        if not self.in_place:
+            self.home.copy_(self.out16 if self.out16 is not None else master,
+                            non_blocking=self.pinned)
+
+    def absorb(self, changed: torch.Tensor, new: torch.Tensor) -> None:
+        """An edit of the compute weights reaches the 16-bit output too, so that a delayed
+        update's write-back does not undo it."""
+        if self.out16 is not None:
+            self.out16[changed] = new[changed].to(self.out16.dtype)
+
+
+class KernelPart(Protocol):
+    """What HostExecutor / NvmeExecutor and the engine's checkpoint code use of a part they step.
+
+    lo, hi, numel   the part's elements of the unit's flat index space
+    unit, tier      its unit; TierName.HOST or TierName.NVME (the executor that steps it)
+    master, state   fp32 master and optimizer state (tensors, or file ranges on the nvme tier)
+    out16, pin      the kernel's 16-bit output (None where there is none) and whether it crosses
+                    to a CUDA device asynchronously
+    held            with step_in_backward, the parts/held_gradient.py HeldGradient (else None)
+    steps, group    updates applied; the optimizer param group whose hyper-parameters apply
+    busy            the worker that may write master / state (executors.WorkerDone), or None
+    """
+
+    lo: int
+    hi: int
+    steps: int
+    group: int
+    busy: object
+
+    @property
+    def numel(self) -> int: ...
+
+    def begin_step(self, worker_done) -> None:
+        """The executor's worker steps this part next: count it, take the gradient to read."""
+
+    def init_state(self, family: str, fill: float = 0.0) -> None: ...
+
+    def settle(self) -> None: ...
+
+    def swap_grads(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def write_weights(self) -> None: ...
+
+    def master_values(self) -> torch.Tensor: ...
