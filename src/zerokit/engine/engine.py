@@ -257,14 +257,15 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         if self.training_state is TrainingState.FAILED:
             raise EngineFailedError(self._failure)
         boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        self.global_samples += self._micro_batch_size * self.comm.world_size
-        self.tput_timer.stop(global_step=boundary)
-        if not boundary:
-            return
-        t0 = time.perf_counter()
-        self._move(TrainingState.STEP)
+        if boundary:  # refused inside forward or backward, before anything is counted
+            self._move(TrainingState.STEP)
         try:
+            self.micro_steps += 1
+            self.global_samples += self._micro_batch_size * self.comm.world_size
+            self.tput_timer.stop(global_step=boundary)
+            if not boundary:
+                return
+            t0 = time.perf_counter()
             overflow = self._boundary_step()
         finally:  # idle again, unless the step failed the engine (_abandon_step)
             if self.training_state is TrainingState.STEP:
