@@ -3,8 +3,8 @@
 [Note: state machines]
 Five owners change state as training runs: a unit's full weights (`WeightState`), an optimizer
 executor (`ExecutorState`), the engine (`TrainingState`), a stage-3 weight shard's host buffer
-on the nvme tier (`ShardResidency`) and a TensorSwapper key (`SwapState`). Each enum has a table of legal moves
-(`LEGAL`) and owners change state only through `move(current, new, who)`, which raises
+on the nvme tier (`ShardResidency`) and a TensorSwapper key (`SwapState`). Each enum has a
+table of legal moves (`LEGAL`) and owners change state only through `move(current, new, who)`, which raises
 `IllegalTransition` naming the owner, both states and the moves allowed: a bug that would have
 read half-gathered weights or joined a worker twice fails where it happens. Asking for the state
 one is already in is the caller's decision (hooks may ask twice; they check first), never a move.
@@ -64,7 +64,7 @@ class ShardResidency(Enum):
 
 
 class SwapState(Enum):
-    """One version of a TensorSwapper key (io/swapper.py). A failed write drops its version (the
+    """One version of a TensorSwapper key (tiers/nvme_swapper.py). A failed write drops its version (the
     previous one, if any, stays): that is no move, the version is gone."""
 
     WRITING = "writing"          # swap_out submitted, not yet landed

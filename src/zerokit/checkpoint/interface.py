@@ -10,9 +10,10 @@ engine offers (engine/checkpoint_state.py implements `Checkpointable`):
 - `state_to_save()`: this rank's saved range of every unit as `SavePiece`s, one per tensor of
   the rank file (`{unit}/master`, `{unit}/optim.{key}`, `{unit}/weights`, ...), each an ordered
   list of segments that are views of the live state: a tensor (device or host), or a
-  `FileRange` (io/file_range.py: state resident in a file, the NVMe tier's own ranges). The segments are written one after the
-  other, never concatenated in memory; a file range is copied file to file. Plus the optimizer's
-  per-unit state keys and scalars, and the host executor's position (`HostRecord`).
+  `FileRange` (io/file_range.py: state resident in a file, the NVMe tier's own ranges). The
+  segments are written one after the other, never concatenated in memory; a file range is
+  copied file to file. Plus the optimizer's per-unit state keys and scalars, and the host
+  executor's position (`HostRecord`).
 - `restore_state(fill, optimizer)`: the engine walks its own state in the order it needs it
   (masters first, so weight gathers overlap the rest of the reads) and calls `fill(piece)` for
   each `LoadPiece`: elements [lo, hi) of a unit's flat index space, of a saved kind, into a

@@ -27,7 +27,8 @@ the master, the newest weights, and the weights in use are not read: that engine
 stale weights to continue with.
 
 [Note: nvme parts in checkpoints] An nvme part's master and optimizer state are files (the nvme
-tier's `FileRange`s, io/file_range.py, the same class the checkpoint interface names): they are saved as file-range segments, copied file to file, and loaded into as
+tier's `FileRange`s, io/file_range.py, the same class the checkpoint interface names, passed as
+they are): they are saved as file-range segments, copied file to file, and loaded into as
 file-range targets, never whole in host memory. Its step count is kept as a host part's. Pieces
 and names are the same as for the other tiers, so checkpoints move freely between device, cpu and
 nvme placements.
