@@ -1,9 +1,10 @@
 """The states of the objects that own training state, with the moves each may make.
 
 [Note: state machines]
-Three owners change state as training runs: a unit's full weights (`WeightState`), an optimizer
-executor (`ExecutorState`) and the engine (`TrainingState`). Each enum has a table of legal moves
-(`LEGAL`) and owners change state only through `move(current, new, who)`, which raises
+Five owners change state as training runs: a unit's full weights (`WeightState`), an optimizer
+executor (`ExecutorState`), the engine (`TrainingState`), a stage-3 weight shard's host buffer
+on the nvme tier (`ShardResidency`) and a TensorSwapper key (`SwapState`). Each enum has a
+table of legal moves (`LEGAL`) and owners change state only through `move(current, new, who)`, which raises
 `IllegalTransition` naming the owner, both states and the moves allowed: a bug that would have
 read half-gathered weights or joined a worker twice fails where it happens. Asking for the state
 one is already in is the caller's decision (hooks may ask twice; they check first), never a move.
@@ -24,7 +25,7 @@ class EngineFailedError(RuntimeError):
 
 class WeightState(Enum):
     """Where a unit's full compute weights are. Whether a shard on NVMe is in host memory too is
-    the shard's own state (`ShardResidency` in tiers/nvme_shard.py), not a state of the unit."""
+    the shard's own state (`ShardResidency`, below), not a state of the unit."""
 
     SHARDED = "sharded"      # only this rank's shard exists; `flat` has no storage (stage 3)
     GATHERING = "gathering"  # an all-gather into `flat` is in flight: do not read `flat`
@@ -40,15 +41,36 @@ class ExecutorState(Enum):
 
 
 class TrainingState(Enum):
-    """What the engine is doing, which hooks consult (recomputation is not a forward)."""
+    """What the engine is doing: hooks consult it (recomputation is not a forward), and a failure
+    report says it as the rank's position (engine/health.py `describe_position`)."""
 
     IDLE = "idle"
     FORWARD = "forward"
     RECOMPUTE = "recompute"  # a forward run again inside backward (activation checkpointing)
     BACKWARD = "backward"
+    STEP = "step"  # the optimizer step at an accumulation boundary (Engine.step)
     # A step failed leaving state no later step may build on (a collective the ranks may not
     # agree on; NVMe-resident master or optimizer state partly written): terminal.
     FAILED = "failed"
+
+
+class ShardResidency(Enum):
+    """A stage-3 weight shard's host buffer on the nvme tier (see [Note: weight shards on NVMe]
+    in tiers/nvme_shard.py)."""
+
+    EMPTY = "empty"        # no storage; the file holds the values
+    READING = "reading"    # a read of the file into it is in flight
+    RESIDENT = "resident"  # it holds the file's values, until a gather copied them
+
+
+class SwapState(Enum):
+    """One version of a TensorSwapper key (tiers/nvme_swapper.py). A failed write drops its version (the
+    previous one, if any, stays): that is no move, the version is gone."""
+
+    WRITING = "writing"          # swap_out submitted, not yet landed
+    NVME = "nvme"                # on disk only
+    PREFETCHING = "prefetching"  # a read into a host buffer is in flight
+    PREFETCHED = "prefetched"    # on disk and in a host buffer (swap_in takes it)
 
 
 LEGAL: dict[Enum, frozenset] = {
@@ -59,12 +81,23 @@ LEGAL: dict[Enum, frozenset] = {
     ExecutorState.IDLE: frozenset({ExecutorState.RUNNING, ExecutorState.WRITE_BACK_PENDING}),
     ExecutorState.RUNNING: frozenset({ExecutorState.IDLE, ExecutorState.WRITE_BACK_PENDING}),
     ExecutorState.WRITE_BACK_PENDING: frozenset({ExecutorState.IDLE}),
-    TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD, TrainingState.FAILED}),
+    TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD, TrainingState.STEP}),
     TrainingState.FORWARD: frozenset({TrainingState.IDLE}),
     TrainingState.BACKWARD: frozenset({TrainingState.IDLE, TrainingState.RECOMPUTE}),
     # back to backward when the recomputed module returns; idle when backward raised inside it
     TrainingState.RECOMPUTE: frozenset({TrainingState.BACKWARD, TrainingState.IDLE}),
+    # a step ends idle, or failed when it left state no later step may build on (Engine._fail)
+    TrainingState.STEP: frozenset({TrainingState.IDLE, TrainingState.FAILED}),
     TrainingState.FAILED: frozenset(),
+    ShardResidency.EMPTY: frozenset({ShardResidency.READING}),
+    # the read landed, or failed (the buffer is freed: read again next time)
+    ShardResidency.READING: frozenset({ShardResidency.RESIDENT, ShardResidency.EMPTY}),
+    ShardResidency.RESIDENT: frozenset({ShardResidency.EMPTY}),
+    SwapState.WRITING: frozenset({SwapState.NVME}),
+    SwapState.NVME: frozenset({SwapState.PREFETCHING}),
+    # the read landed; or swap_in (or a replacing write) took the read still in flight
+    SwapState.PREFETCHING: frozenset({SwapState.PREFETCHED, SwapState.NVME}),
+    SwapState.PREFETCHED: frozenset({SwapState.NVME}),
 }
 
 

@@ -25,6 +25,29 @@ def test_every_move_outside_the_table_raises() -> None:
                 assert f"'{current.value}' -> '{new.value}'" in str(e.value) and "owner" in str(e.value)
 
 
+def test_the_step_shard_and_swap_tables_list_exactly_these_moves() -> None:
+    """The moves written out here, independently of states.LEGAL: every other one raises."""
+    from zerokit.states import IllegalTransition, ShardResidency, SwapState, TrainingState, move
+
+    legal = {
+        (TrainingState.IDLE, TrainingState.STEP), (TrainingState.STEP, TrainingState.IDLE),
+        (TrainingState.STEP, TrainingState.FAILED),
+        (ShardResidency.EMPTY, ShardResidency.READING), (ShardResidency.READING, ShardResidency.RESIDENT),
+        (ShardResidency.READING, ShardResidency.EMPTY), (ShardResidency.RESIDENT, ShardResidency.EMPTY),
+        (SwapState.WRITING, SwapState.NVME), (SwapState.NVME, SwapState.PREFETCHING),
+        (SwapState.PREFETCHING, SwapState.PREFETCHED), (SwapState.PREFETCHING, SwapState.NVME),
+        (SwapState.PREFETCHED, SwapState.NVME)}
+    pairs = [(a, b) for m in (ShardResidency, SwapState) for a in m for b in m]
+    pairs += [(a, b) for a in TrainingState for b in TrainingState if TrainingState.STEP in (a, b)]
+    for current, new in pairs:
+        if (current, new) in legal:
+            assert move(current, new, "owner") is new
+            continue
+        with pytest.raises(IllegalTransition, match=f"owner: illegal state change '{current.value}' -> "
+                                                    f"'{new.value}'"):
+            move(current, new, "owner")
+
+
 def _engine(stage: int, offload: bool):
     import zerokit
 
@@ -87,6 +110,32 @@ def test_the_engine_refuses_backward_inside_forward() -> None:
     assert engine.training_state is TrainingState.IDLE  # the failed forward left the state clean
     with pytest.raises(IllegalTransition, match="'idle' -> 'recompute'"):
         engine._move(TrainingState.RECOMPUTE)  # recomputation happens only inside backward
+    engine.destroy()
+
+
+def test_the_step_is_a_training_state_that_failure_reports_name() -> None:
+    """Engine.step moves idle -> step -> idle; the rank's position (what a collective failure
+    reports) says the state; a step asked for inside forward is refused by the table."""
+    from zerokit.states import IllegalTransition, TrainingState
+
+    engine = _engine(3, offload=False)
+    seen = []
+    engine.optimizer.register_step_pre_hook(
+        lambda *_: seen.append((engine.training_state, engine.comm.position())))
+    x = torch.randint(0, 256, (MICRO, 16))
+    engine.backward(engine(x, x))
+    assert engine.training_state is TrainingState.IDLE
+    engine.step()
+    assert len(seen) == 1 and seen[0][0] is TrainingState.STEP, seen
+    assert seen[0][1].startswith("global step 0, step (micro-step 1)"), seen
+    assert engine.training_state is TrainingState.IDLE
+    assert engine.comm.position().startswith("global step 1, idle (micro-step 1)")
+    hook = engine.module.register_forward_hook(lambda *_: engine.step())
+    with pytest.raises(IllegalTransition, match="the engine: illegal state change 'forward' -> 'step'"):
+        engine(x, x)
+    hook.remove()
+    assert engine.training_state is TrainingState.IDLE and len(seen) == 1
+    assert (engine.micro_steps, engine.global_steps) == (1, 1)  # the refused step counted nothing
     engine.destroy()
 
 

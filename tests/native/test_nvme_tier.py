@@ -155,7 +155,7 @@ def test_two_live_tiers_on_one_path_keep_their_own_files(tmp_path):
 
 
 def test_narrow_out_of_range():
-    r = FileRange("o", "/x", 0, 10, torch.float32)
+    r = FileRange("/x", 0, 10, torch.float32, owner="o")
     assert r.narrow(2, 3).offset == 8
     with pytest.raises(ValueError, match=r"\[8, 13\)"):
         r.narrow(8, 5)

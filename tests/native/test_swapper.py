@@ -373,3 +373,28 @@ def test_two_swappers_on_one_directory_keep_their_own_files(tmp_path):
     assert torch.equal(second.swap_in("k"), torch.full((1000,), 2.0))
     second.close()
     assert os.listdir(tmp_path) == []
+
+
+# -- the swapper as a layer on its nvme tier, each key version through SwapState ---------------
+def test_a_version_moves_through_its_table_and_refuses_an_illegal_move(swapper):
+    from zerokit.states import IllegalTransition, SwapState
+
+    t = _make((5000,), torch.float32)
+    swapper.swap_out("k", t, wait=True)
+    version = swapper._entries["k"]
+    with pytest.raises(IllegalTransition, match="swapped tensor 'k': illegal state change "
+                                                "'nvme' -> 'prefetched'"):
+        version.move(SwapState.PREFETCHED, "k")  # a read that was never started
+    assert swapper.where("k") == "nvme"
+    swapper.prefetch("k")
+    version.prefetch[1].wait()
+    assert swapper.where("k") == "prefetched"
+    with pytest.raises(IllegalTransition, match="'prefetched' -> 'prefetching'"):
+        version.move(SwapState.PREFETCHING, "k")  # a second read over the one held
+    assert torch.equal(swapper.swap_in("k"), t) and swapper.where("k") == "nvme"
+    # One place does the I/O and counts it: the swapper's tier (its stats, its ledger).
+    stats = swapper.tier.stats
+    assert stats.total_written == t.nbytes and stats.total_read == t.nbytes  # swap_in took the prefetch
+    assert swapper.nvme_bytes == swapper.tier.ledger.bytes("nvme", "buffers") == os.path.getsize(
+        swapper.path_of("k"))
+    assert swapper.tier.owners() == [version.file.owner]

@@ -10,9 +10,10 @@ engine offers (engine/checkpoint_state.py implements `Checkpointable`):
 - `state_to_save()`: this rank's saved range of every unit as `SavePiece`s, one per tensor of
   the rank file (`{unit}/master`, `{unit}/optim.{key}`, `{unit}/weights`, ...), each an ordered
   list of segments that are views of the live state: a tensor (device or host), or a
-  `FileRange` (state resident in a file, the NVMe tier). The segments are written one after the
-  other, never concatenated in memory; a file range is copied file to file. Plus the optimizer's
-  per-unit state keys and scalars, and the host executor's position (`HostRecord`).
+  `FileRange` (io/file_range.py: state resident in a file, the NVMe tier's own ranges). The
+  segments are written one after the other, never concatenated in memory; a file range is
+  copied file to file. Plus the optimizer's per-unit state keys and scalars, and the host
+  executor's position (`HostRecord`).
 - `restore_state(fill, optimizer)`: the engine walks its own state in the order it needs it
   (masters first, so weight gathers overlap the rest of the reads) and calls `fill(piece)` for
   each `LoadPiece`: elements [lo, hi) of a unit's flat index space, of a saved kind, into a
@@ -27,68 +28,25 @@ Client state is the caller's, passed to save and returned by load.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
 
-
-@dataclass(frozen=True)
-class FileRange:
-    """`count` elements of `dtype` at byte `offset` of the file at `path` (state on the NVMe tier).
-
-    Quacks like a 1-D CPU tensor where the checkpoint sizes it (`numel()`, `dtype`,
-    `element_size()`), so it can be a segment of a saved piece or the target of a load.
-    """
-
-    path: str
-    offset: int
-    count: int
-    dtype: torch.dtype
-
-    def numel(self) -> int:
-        return self.count
-
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.element_size()
-
-    def read(self) -> torch.Tensor:
-        """The elements, into a new CPU tensor."""
-        out = torch.empty(self.count, dtype=self.dtype)
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        with open(self.path, "rb", buffering=0) as f:
-            got = 0
-            while got < len(view):
-                n = os.preadv(f.fileno(), [view[got:]], self.offset + got)
-                if n <= 0:
-                    raise OSError(f"{self.path} is shorter than the range it holds: {self.nbytes} bytes "
-                                  f"at {self.offset} wanted, read {got}")
-                got += n
-        return out
-
-    def write(self, values: torch.Tensor) -> None:
-        """Overwrite the elements with `values` (count elements of any device, cast to dtype)."""
-        if values.numel() != self.count:
-            raise ValueError(f"FileRange {self.path}@{self.offset}: {values.numel()} values for a range of "
-                             f"{self.count} elements")
-        data = values.detach().to("cpu", self.dtype).contiguous().view(-1).view(torch.uint8).numpy()
-        view = memoryview(data).cast("B")
-        fd = os.open(self.path, os.O_WRONLY)
-        try:
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], self.offset + done)
-        finally:
-            os.close(fd)
+from zerokit.io.file_range import FileRange  # the nvme tier's own ranges (tiers/nvme.py)
 
 
 # One run of elements of a saved tensor: a view of live state, or a range of a file.
 Segment = "torch.Tensor | FileRange"
+
+
+def segment_numel(s: "torch.Tensor | FileRange") -> int:
+    """Elements of a segment or load target (a FileRange's `numel` is a field, a tensor's a method)."""
+    return s.numel if isinstance(s, FileRange) else s.numel()
+
+
+def segment_nbytes(s: "torch.Tensor | FileRange") -> int:
+    return s.nbytes if isinstance(s, FileRange) else s.numel() * s.element_size()
 
 
 @dataclass(frozen=True)

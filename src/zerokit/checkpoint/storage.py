@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 import torch
 
-from zerokit.checkpoint.interface import FileRange
+from zerokit.checkpoint.interface import FileRange, segment_nbytes, segment_numel
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -38,12 +38,12 @@ Parts = list
 def entry_of(t: "torch.Tensor | Parts") -> tuple[torch.dtype, tuple[int, ...]]:
     """(dtype, shape) of a tensor or of the 1-D tensor its parts make."""
     if isinstance(t, list):
-        return t[0].dtype, (sum(p.numel() for p in t),)
+        return t[0].dtype, (sum(segment_numel(p) for p in t),)
     return t.dtype, tuple(t.shape)
 
 
 def nbytes_of(t: "torch.Tensor | Parts") -> int:
-    return sum(p.numel() * p.element_size() for p in (t if isinstance(t, list) else [t]))
+    return sum(segment_nbytes(p) for p in (t if isinstance(t, list) else [t]))
 
 
 class CheckpointWriteError(OSError):
@@ -181,7 +181,7 @@ def save_shard_file(path: str, tensors: list[tuple[str, "torch.Tensor | Parts"]]
                 ranges.append((offset, p))
             elif p.numel():
                 pieces.append((offset, p.detach().contiguous().view(-1).view(torch.uint8)))
-            offset += p.numel() * p.element_size()
+            offset += segment_nbytes(p)
     size = len(prefix) + data_bytes
     try:
         # A fresh file at its final size before any write: one extent for the parallel direct

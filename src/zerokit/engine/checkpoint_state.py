@@ -26,8 +26,9 @@ stopping, bit for bit. A load into an engine without the delayed update (offload
 the master, the newest weights, and the weights in use are not read: that engine's math has no
 stale weights to continue with.
 
-[Note: nvme parts in checkpoints] An nvme part's master and optimizer state are files (tiers/nvme.py
-`FileRange`): they are saved as file-range segments, copied file to file, and loaded into as
+[Note: nvme parts in checkpoints] An nvme part's master and optimizer state are files (the nvme
+tier's `FileRange`s, io/file_range.py, the same class the checkpoint interface names, passed as
+they are): they are saved as file-range segments, copied file to file, and loaded into as
 file-range targets, never whole in host memory. Its step count is kept as a host part's. Pieces
 and names are the same as for the other tiers, so checkpoints move freely between device, cpu and
 nvme placements.
@@ -35,18 +36,16 @@ nvme placements.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zerokit.checkpoint.interface import (FileRange, Fill, HostRecord, LoadPiece, ParamRecord, SavedOptimizer, SavePiece,
-                                          SaveState, UnitRecord)
+                                          SaveState, UnitRecord, segment_numel)
 from zerokit.checkpoint.metadata import IN_USE
 from zerokit.states import WeightState
 from zerokit.tiers.names import TierName
-from zerokit.tiers.nvme import FileRange as NvmeRange
 
 if TYPE_CHECKING:
     from zerokit.units.unit import Unit
@@ -82,13 +81,13 @@ def state_to_save(engine: "Engine") -> SaveState:
             pieces.append(SavePiece(f"{u.name}/weights", (weights,)))
             continue
         a = u.opt_range[0]
-        pieces.append(SavePiece(f"{u.name}/master", cut([_saved(p.master) if p.tier is TierName.NVME else
+        pieces.append(SavePiece(f"{u.name}/master", cut([p.master if p.tier is TierName.NVME else
                                                           p.master_values() for p in u.parts],
                                                          lo - a, hi - a)))
         state = engine.optimizer.state.get(u.master, {})
         keys = optim_keys[u.name] = state_keys(u, state)
         for k in keys:
-            parts = [state[k] if p.tier is TierName.DEVICE else _saved(p.state[k]) for p in u.parts]
+            parts = [state[k] if p.tier is TierName.DEVICE else p.state[k] for p in u.parts]
             pieces.append(SavePiece(f"{u.name}/optim.{k}", cut(parts, lo - a, hi - a)))
         scalars[u.name] = copy.deepcopy({k: v for k, v in state.items() if k not in keys})
         if in_use and _host_parts(u):
@@ -105,13 +104,6 @@ def _host_parts(u: "Unit") -> list:
     return [p for p in u.parts if p.tier is not TierName.DEVICE]
 
 
-def _saved(t):
-    """A segment or load target: an nvme tier's file range as the checkpoint's FileRange."""
-    if isinstance(t, NvmeRange):
-        return FileRange(t.path, t.offset, t.numel, t.dtype)
-    return t
-
-
 def _shard_piece(u: "Unit"):
     """A stage-3 unit's weight shard as a segment or load target: the host or device tensor, or
     (offload_param nvme) its file range, streamed file to file, its writes in flight landed."""
@@ -119,12 +111,12 @@ def _shard_piece(u: "Unit"):
         return u.shard
     u.nvme_shard.settle()
     u.nvme_shard.drop_clean()  # a read-ahead copy would go stale under a load
-    return _saved(u.nvme_shard.file)
+    return u.nvme_shard.file
 
 
 def _narrow(t, a: int, b: int):
     if isinstance(t, FileRange):
-        return dataclasses.replace(t, offset=t.offset + a * t.element_size(), count=b - a)
+        return t.narrow(a, b - a)
     return t[a:b]
 
 
@@ -143,10 +135,10 @@ def cut(parts: list[torch.Tensor], lo: int, hi: int) -> tuple[torch.Tensor, ...]
     """Elements [lo, hi) of the 1-D tensor the parts make, as views of the parts."""
     out, start = [], 0
     for p in parts:
-        a, b = max(lo, start), min(hi, start + p.numel())
+        a, b = max(lo, start), min(hi, start + segment_numel(p))
         if a < b:
             out.append(_narrow(p, a - start, b - start))
-        start += p.numel()
+        start += segment_numel(p)
     return tuple(out) or (_narrow(parts[0], 0, 0),)
 
 
@@ -181,7 +173,7 @@ def _load_weights(engine: "Engine", fill: Fill, records: dict[str, UnitRecord]) 
         rec = records[u.name]
         if u.trainable:
             for part in u.parts:
-                target = _saved(part.master) if part.tier is TierName.NVME else part.master.data
+                target = part.master if part.tier is TierName.NVME else part.master.data
                 fill(LoadPiece(rec, "values", part.lo, part.hi, target))
             for host in _host_parts(u):  # compute weights follow as a host step's write-back does
                 if host.out16 is not None:
@@ -237,7 +229,7 @@ def _load_host_state(fill: Fill, rec: UnitRecord, u: "Unit", host, unit) -> None
     """A host part's optimizer state and step count (see [Note: host step counts])."""
     if not unit.keys:  # saved before any step: a fresh optimizer's state
         for t in host.state.values():
-            if isinstance(t, NvmeRange):
+            if isinstance(t, FileRange):
                 host.nvme.write(t, torch.zeros(t.numel, dtype=t.dtype)).wait()
             else:
                 t.zero_()
@@ -248,7 +240,7 @@ def _load_host_state(fill: Fill, rec: UnitRecord, u: "Unit", host, unit) -> None
                          f"host optimizer keeps {sorted(host.state)}; load with the same optimizer type "
                          f"or pass load_optimizer_states=False")
     for key in unit.keys:
-        fill(LoadPiece(rec, f"optim.{key}", host.lo, host.hi, _saved(host.state[key]), zero_rest=True))
+        fill(LoadPiece(rec, f"optim.{key}", host.lo, host.hi, host.state[key], zero_rest=True))
     if unit.host_steps is not None:
         host.steps = unit.host_steps
     else:  # saved without offload: torch's count of the same updates

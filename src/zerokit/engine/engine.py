@@ -79,7 +79,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._release_when_dropped.atexit = False  # at exit, peers may be gone: no collective waits
         self.executors = executors
         self.nvme_tier = None  # the NVMe tier, when something lives there (set by initialize)
-        self.training_state = TrainingState.IDLE  # see [Note: state machines] (states.py)
+        # What the engine is doing, for hooks and failure reports ([Note: state machines], states.py)
+        self.training_state = TrainingState.IDLE
         self._recomputing: nn.Module | None = None  # the outermost module recomputing in backward
         self._reduce_now = False
         # reductions in flight: (handle, bytes, the unit to offer the host executors once it
@@ -99,7 +100,6 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         # Stage 3 gathers around use; below, a schedule that only waits for a publish in flight.
         self.scheduler = schedule_for(units, comm, config.zero_optimization, module, policy)
         self._install_module_hooks()
-        self._phase = "forward"  # for failure reports: see describe_position
         comm.position = weakly(self._describe_position)
         self._losses = LossWatch()  # non-finite losses, read at the step ([Note: non-finite steps])
         self._preemption = Preemption.install(self, config.preemption)  # [Note: preemption]
@@ -172,7 +172,6 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.tput_timer.start()
-        self._phase = "forward"
         t0 = time.perf_counter()
         if self.config.fp16.auto_cast:
             args = cast_inputs_half(args)
@@ -200,7 +199,6 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         # Stage >= 2 reduces every micro-step (gradients never persist in full); below that,
         # gradients accumulate locally and are reduced once, on the boundary's backward.
         self._reduce_now = self.policy.shard_gradients or self.is_gradient_accumulation_boundary()
-        self._phase = "backward"
         self._losses.note(loss)
         t0 = time.perf_counter()
         self.wait_for_weights()  # units whose modules forward did not call
@@ -260,13 +258,26 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         if self.training_state is TrainingState.FAILED:
             raise EngineFailedError(self._failure)
         boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        self.global_samples += self._micro_batch_size * self.comm.world_size
-        self.tput_timer.stop(global_step=boundary)
-        if not boundary:
-            return
-        self._phase = "step"
-        t0 = time.perf_counter()
+        if boundary:  # refused inside forward or backward, before anything is counted
+            self._move(TrainingState.STEP)
+        try:
+            self.micro_steps += 1
+            self.global_samples += self._micro_batch_size * self.comm.world_size
+            self.tput_timer.stop(global_step=boundary)
+            if not boundary:
+                return
+            t0 = time.perf_counter()
+            overflow = self._boundary_step()
+        finally:  # idle again, unless the step failed the engine (_abandon_step)
+            if self.training_state is TrainingState.STEP:
+                self._move(TrainingState.IDLE)
+        self._timers["step"] += time.perf_counter() - t0
+        if self.global_steps % self.config.steps_per_print == 0:
+            self._report_progress(overflow)
+        self._preemption.after_step(self)  # SIGTERM: save and exit ([Note: preemption])
+
+    def _boundary_step(self) -> bool:
+        """Step's work at the accumulation boundary; True if the update was skipped (overflow)."""
         self.save_lease.settle()  # an async save may still be reading the state this step changes
         # Every collective so far agreed across ranks, before the step applies their results
         # (on CUDA the checks still in flight are waited here, where the norm / flags sync anyway).
@@ -283,11 +294,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         if not self.config.zero_optimization.async_weight_publish:
             self.wait_for_weights()
         self._record_io()
-        self._timers["step"] += time.perf_counter() - t0
-        if self.global_steps % self.config.steps_per_print == 0:
-            self._report_progress(overflow)
-        self._phase = "between steps"
-        self._preemption.after_step(self)  # SIGTERM: save and exit ([Note: preemption])
+        return overflow
 
     def _update(self, trainable: list[Unit]) -> bool:
         """Unscale, clip, step and publish; True if the step was skipped for an overflow."""

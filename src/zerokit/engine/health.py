@@ -34,7 +34,7 @@ class NonFiniteError(FloatingPointError):
 
 def describe_position(engine: "Engine") -> str:
     """This rank's place in its schedule, for failure reports (each rank reports its own)."""
-    text = (f"global step {engine.global_steps}, {getattr(engine, '_phase', 'forward')} "
+    text = (f"global step {engine.global_steps}, {engine.training_state.value} "
             f"(micro-step {engine.micro_steps})")
     scheduler = engine.scheduler
     if scheduler is not None:

@@ -9,8 +9,12 @@ The same three operations as DeviceTier / HostTier (tiers/tier.py), over files:
                                                        contiguous CPU tensor: a read or a write
 (`read(range, tensor)` and `write(range, tensor)` say the direction outright.) Every I/O is
 asynchronous: the handle's `wait()` returns the bytes moved or raises `AioError` naming the file
-and offset (a deleted file: "opening"; a truncated one: "short file"). A `FileRange` is a value:
-`narrow(start, length)` names a piece of it, so a streaming executor reads a sub-group at a time.
+and offset (a deleted file: "opening"; a truncated one: "short file"). A `FileRange` is a value
+(io/file_range.py, the one class for elements of a file, re-exported here): `narrow(start,
+length)` names a piece of it, so a streaming executor reads a sub-group at a time. Reads and writes
+may carry per-block checksums and fsync (`AsyncIO`'s options); `read_chunks` / `write_chunks`
+stream a range through a ring of pool buffers (io/stream.py), counted in `stats` as well.
+TensorSwapper (tiers/nvme_swapper.py) keeps named tensors on a tier of its own this way.
 
 One file per owner, starting at offset 0, so a host buffer from `io.buffers.aligned_empty` moves
 by O_DIRECT without staging (see [Note: file residue] in io/aio.py). Files live in a directory of
@@ -27,47 +31,23 @@ I/O report (engine.memory_report(), the ledger) reads them.
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
 import re
 import threading
 import time
+from typing import Callable, Iterator
 
 import torch
 
 from zerokit.io.aio import AioConfig, AioError, AsyncIO, IOHandle
+from zerokit.io.buffers import BufferPool
+from zerokit.io.file_range import FileRange  # noqa: F401 (re-exported: the tier's allocations)
+from zerokit.io.stream import CompletedWrite, read_chunks, write_chunks
 from zerokit.io.swap_directory import SWAP_DIR, SwapDirectory  # noqa: F401 (SWAP_DIR: re-exported)
 from zerokit.tiers.ledger import Ledger
 from zerokit.tiers.names import TierName
-
-
-@dataclasses.dataclass(frozen=True)
-class FileRange:
-    """`numel` elements of `dtype` at byte `offset` of `path`: NVMe-resident storage."""
-
-    owner: str
-    path: str
-    offset: int
-    numel: int
-    dtype: torch.dtype
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.element_size
-
-    def narrow(self, start: int, length: int) -> "FileRange":
-        """Elements [start, start + length) of this range."""
-        if start < 0 or length < 0 or start + length > self.numel:
-            raise ValueError(f"FileRange {self.path!r}: elements [{start}, {start + length}) "
-                             f"outside [0, {self.numel})")
-        return dataclasses.replace(self, offset=self.offset + start * self.element_size,
-                                   numel=length)
 
 
 class IOStats:
@@ -149,6 +129,15 @@ class NvmeHandle:
     def synchronize(self) -> None:  # the CopyHandle spelling
         self.wait()
 
+    @property
+    def checksums(self) -> list[int] | None:
+        """A write's per-block checksums (asked for with `checksums=True`), once waited."""
+        return self._io.checksums
+
+    def add_done_callback(self, fn: Callable[["NvmeHandle", AioError | None], None]) -> None:
+        """fn(this handle, error_or_None) runs once, in the thread whose wait() completes the I/O."""
+        self._io.add_done_callback(lambda _io, err: fn(self, err))
+
 
 class NvmeTier:
     """File ranges in a claimed directory under `directory`/zerokit-swap (weight shards under
@@ -177,6 +166,7 @@ class NvmeTier:
         self.stale_files = [f for c in self._claims for f in c.stale_files]
         self.stats = IOStats()
         self._ranges: dict[str, FileRange] = {}
+        self._lock = threading.Lock()  # allocate / free from several threads (a swapper's callbacks)
         self._closed = False
 
     def path_for(self, owner: str, kind: str | None = None) -> str:
@@ -190,41 +180,84 @@ class NvmeTier:
         """A zero-filled file of `numel` elements, held in the ledger under `owner` until
         `free(owner)`. Its space is reserved now, so a full disk fails here, naming the file.
         `pinned` is accepted for the Tier signature and means nothing for a file."""
-        if self._closed:
-            raise RuntimeError(f"NvmeTier at {self.directory!r} is closed")
-        if owner in self._ranges:
-            raise ValueError(f"nvme tier: {owner!r} is allocated already ({self._ranges[owner].path})")
-        rng = FileRange(owner, self.path_for(owner, kind), 0, numel, dtype)
-        _reserve(rng.path, rng.nbytes)
-        self._ranges[owner] = rng
-        self.ledger.hold_bytes(owner, kind, self.name, rng.nbytes)
-        return rng
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"NvmeTier at {self.directory!r} is closed")
+            if owner in self._ranges:
+                raise ValueError(f"nvme tier: {owner!r} is allocated already ({self._ranges[owner].path})")
+            rng = FileRange(self.path_for(owner, kind), 0, numel, dtype, owner=owner)
+            _reserve(rng.path, rng.nbytes)
+            self._ranges[owner] = rng
+            self.ledger.hold_bytes(owner, kind, self.name, rng.nbytes)
+            return rng
 
     def owners(self) -> list[str]:
         """The owners of the ranges allocated now."""
-        return list(self._ranges)
+        with self._lock:
+            return list(self._ranges)
 
     def free(self, owner: str) -> None:
-        rng = self._ranges.pop(owner)
-        try:
-            os.unlink(rng.path)
-        except FileNotFoundError:
-            pass
-        self.ledger.release(owner)
+        with self._lock:
+            rng = self._ranges.pop(owner)
+            _unlink(rng.path)
+            self.ledger.release(owner)
 
     # ---- asynchronous copies -----------------------------------------------------------------
-    def read(self, src: FileRange, dst: torch.Tensor) -> NvmeHandle:
+    def read(self, src: FileRange, dst: torch.Tensor, *,
+             expected_checksums: list[int] | None = None) -> NvmeHandle:
         """dst <- the file range (same element count and dtype); dst must not be used until
-        the handle is waited."""
+        the handle is waited. expected_checksums: a write's, each block verified."""
         self._check(src, dst)
         self.stats.submitted(src.nbytes, write=False)
-        return NvmeHandle(self.aio.read(src.path, dst, src.offset), self.stats)
+        return NvmeHandle(self.aio.read(src.path, dst, src.offset, expected_checksums=expected_checksums),
+                          self.stats)
 
-    def write(self, dst: FileRange, src: torch.Tensor) -> NvmeHandle:
-        """The file range <- src; src must not be modified until the handle is waited."""
+    def write(self, dst: FileRange, src: torch.Tensor, *, checksums: bool = False,
+              fsync: bool = False) -> NvmeHandle:
+        """The file range <- src; src must not be modified until the handle is waited. checksums:
+        one per block, on the handle once waited; fsync: durable when the wait returns."""
         self._check(dst, src)
         self.stats.submitted(dst.nbytes, write=True)
-        return NvmeHandle(self.aio.write(dst.path, src, dst.offset), self.stats)
+        return NvmeHandle(self.aio.write(dst.path, src, dst.offset, fsync=fsync, checksums=checksums),
+                          self.stats)
+
+    def read_chunks(self, src: FileRange, ring: BufferPool, *,
+                    expected_checksums: list[int] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """The range's bytes through the ring's buffers, in order: (byte position, uint8 buffer),
+        each buffer reused once the next is asked for (io/stream.py `read_chunks`)."""
+        if self._closed:
+            raise RuntimeError(f"NvmeTier at {self.directory!r} is closed")
+        self.stats.submitted(src.nbytes, write=False)
+        chunks = read_chunks(self.aio, src.path, src.nbytes, ring, offset=src.offset,
+                             expected_checksums=expected_checksums)
+        blocked = 0.0  # the caller's wait for each next chunk, not its time consuming one
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    chunk = next(chunks)
+                except StopIteration:
+                    return
+                finally:
+                    blocked += time.perf_counter() - start
+                yield chunk
+        finally:
+            chunks.close()
+            self.stats.completed(blocked)
+
+    def write_chunks(self, dst: FileRange, ring: BufferPool, fill: Callable[[int, torch.Tensor], None],
+                     *, checksums: bool = False, fsync: bool = False) -> CompletedWrite:
+        """The range <- bytes `fill(position, buffer)` puts into the ring's buffers, each written
+        while the next is filled; returns once all are written (io/stream.py `write_chunks`)."""
+        if self._closed:
+            raise RuntimeError(f"NvmeTier at {self.directory!r} is closed")
+        start = time.perf_counter()
+        self.stats.submitted(dst.nbytes, write=True)
+        try:
+            return write_chunks(self.aio, dst.path, dst.nbytes, ring, fill, offset=dst.offset,
+                                checksums=checksums, fsync=fsync)
+        finally:
+            self.stats.completed(time.perf_counter() - start)
 
     def copy(self, dst: "FileRange | torch.Tensor", src: "FileRange | torch.Tensor") -> NvmeHandle:
         """The Tier operation: a read when src is a FileRange, a write when dst is."""
@@ -267,7 +300,8 @@ class NvmeTier:
 
 
 def _reserve(path: str, nbytes: int) -> None:
-    """Create (or reset) the file with nbytes of zeros, the space reserved on the disk."""
+    """Create (or reset) the file with nbytes of zeros, the space reserved on the disk. A file
+    that cannot be reserved (a full disk, EFBIG past RLIMIT_FSIZE) is removed again."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     except OSError as e:
@@ -278,7 +312,15 @@ def _reserve(path: str, nbytes: int) -> None:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise AioError(e.errno, f"reserving {nbytes} bytes for", path) from None
+                    _unlink(path)
+                    raise AioError(e.errno, f"reserving {nbytes} bytes for", path, offset=0) from None
                 os.ftruncate(fd, nbytes)
     finally:
         os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -5,6 +5,7 @@ With offload_param device 'nvme' a unit's compute-dtype shard (the `shard` recor
 is a file range on the nvme tier, and the unit's `shard` tensor is a host buffer (the
 `shard_buffer` record) whose storage exists only while the values pass through it to a gather:
 its untyped storage is resized to 0 bytes and back, as stage 3 does with `flat`. The buffer is
+(`ShardResidency`, moved through its table in states.py: an illegal move raises)
     EMPTY     no storage; the file holds the values
     READING   a read of the file into it is in flight (the scheduler's read-ahead, or a gather)
     RESIDENT  it holds the file's values, until the gather has copied them (`drop_clean`)
@@ -18,18 +19,11 @@ AioError naming the file (a deleted one: "opening", a truncated one: "short file
 """
 from __future__ import annotations
 
-import enum
-
 import torch
 
 from zerokit.tiers.names import TierName
+from zerokit.states import ShardResidency, move
 from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
-
-
-class ShardResidency(enum.Enum):
-    EMPTY = "empty"
-    READING = "reading"
-    RESIDENT = "resident"
 
 
 class FileHome:
@@ -86,7 +80,7 @@ class NvmeShard:
             storage.resize_(self._nbytes)
             self._release = self.ledger.transient("buffers", self.buffer, tier=TierName.HOST)
         self._read = self.nvme.read(self.file, self.buffer)
-        self.residency = ShardResidency.READING
+        self._move(ShardResidency.READING)
 
     def ready(self) -> torch.Tensor:
         """The buffer, holding the file's values (waits for the read in flight, or reads now)."""
@@ -98,7 +92,7 @@ class NvmeShard:
             except BaseException:
                 self._free()  # the values are not in the buffer: read again next time
                 raise
-            self.residency = ShardResidency.RESIDENT
+            self._move(ShardResidency.RESIDENT)
         return self.buffer
 
     def drop_stale(self) -> None:
@@ -118,7 +112,10 @@ class NvmeShard:
         if self._release is not None:
             self._release()
             self._release = None
-        self.residency = ShardResidency.EMPTY
+        self._move(ShardResidency.EMPTY)
+
+    def _move(self, new: ShardResidency) -> None:
+        self.residency = move(self.residency, new, f"weight shard {self.file.owner!r} host buffer")
 
     # ---- writes, straight to the file --------------------------------------------------------
     def write(self, rng: FileRange, src: torch.Tensor) -> None:
@@ -171,4 +168,5 @@ class NvmeShard:
             except OSError:
                 pass
         self._writes, self._read = [], None
-        self._free()
+        if self.residency is not ShardResidency.EMPTY:
+            self._free()
