@@ -104,6 +104,11 @@ def _expect_divergence(world: int, widths: tuple[int, ...], stage: int,
                        r"unit '([\w.]+)'", text)
     assert {int(r) for r, _, _ in named} == set(range(world)), text
     assert all(mine != theirs for _, mine, theirs in named), named
+    # Each rank says where it was (engine/health.py::describe_position), at every stage: step 1
+    # is where the ranks diverge; stage 3 adds the position in its order of uses.
+    at = [re.search(r"this rank was at global step (\d+), (\w+)([^.]*)", p) for p in reports]
+    assert all(at) and all(m.group(1) == "1" for m in at), reports
+    assert all(("stage-3 use" in m.group(3)) == (stage == 3) for m in at), reports
     assert "exited with code" not in text, text  # no gloo abort
     assert elapsed < 60, f"took {elapsed:.0f}s: a rank waited for the timeout instead of failing"
 
