@@ -13,6 +13,7 @@ import pytest
 
 from harness import run_world
 from reference import global_batches, tiny_gpt
+from fast_tier import slow_except
 
 
 def _positions_mid_forward(rank: int, world: int, stage: int) -> list[str]:
@@ -33,7 +34,7 @@ def _positions_mid_forward(rank: int, world: int, stage: int) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", slow_except([0, 1, 2, 3], fast=[0, 3]))
 def test_describe_position_at_every_stage(stage: int) -> None:
     (first, second), = run_world(_positions_mid_forward, 1, stage)
     # Counted by hand: the engine's counters before each step, the phase the forward sets.
