@@ -23,6 +23,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--steps-per-print", type=int, default=10,
+                   help="the engine's step=N progress line every this many steps (above the bar)")
     p.add_argument("--config", help="a DeepSpeed-style JSON file; its keys override the flags'")
     p.add_argument("--seed", type=int, default=0)
 
@@ -37,6 +39,7 @@ def _config(args) -> dict:
                       "params": {"total_num_steps": args.steps, "warmup_num_steps": max(2, args.steps // 20),
                                  "warmup_type": "linear", "cos_min_ratio": 0.1}},
         "gradient_clipping": 1.0,
+        "steps_per_print": args.steps_per_print,
         "bf16": {"enabled": args.dtype == "bf16"},
         "zero_optimization": {"stage": args.stage},
     }

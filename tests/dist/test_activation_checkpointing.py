@@ -135,6 +135,7 @@ def _cases() -> list:
     return cases
 
 
+@pytest.mark.slow
 def test_checkpointed_training_equals_plain_training_bit_for_bit() -> None:
     cases = _cases()
     refs = {name: reference_train(tiny_gpt, lambda p, o=o, kw=kw: o(p, **kw),

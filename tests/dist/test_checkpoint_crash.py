@@ -23,6 +23,7 @@ import torch
 
 from harness import _entry, _ranks_context, run_world
 from reference import tiny_gpt
+from fast_tier import slow_except
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 2}, "comm_timeout_s": 10}
@@ -151,9 +152,10 @@ def _check_loadable(root: str) -> str:
     return latest
 
 
-@pytest.mark.parametrize("point,delay", [("mid-write", 0), ("after-marker", 0), ("before-meta", 0),
-                                         ("before-rename", 0), ("before-latest", 0),
-                                         ("", 0.05), ("", 0.15), ("", 0.4)])
+@pytest.mark.parametrize("point,delay", slow_except([("mid-write", 0), ("after-marker", 0), ("before-meta", 0),
+                                                     ("before-rename", 0), ("before-latest", 0),
+                                                     ("", 0.05), ("", 0.15), ("", 0.4)],
+                                                    fast=[("mid-write", 0)]))
 def test_kill_during_save_leaves_latest_loadable(tmp_path, point: str, delay: float) -> None:
     root = str(tmp_path)
     codes = _run_until_killed(_save_and_die, 2, root, point, delay)
@@ -186,6 +188,7 @@ def _save_after_crash(rank: int, world: int, root: str) -> list[str]:
     return sorted(os.listdir(root))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point,delay", [(p, 0) for p in REUSE_POINTS] + [("", 0.05), ("", 0.15), ("", 0.4)])
 def test_kill_while_resaving_the_latest_tag_leaves_it_loadable(tmp_path, point: str, delay: float) -> None:
     import zerokit

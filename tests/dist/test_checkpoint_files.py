@@ -139,6 +139,7 @@ DISK_FULL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_disk_full_is_a_clean_error(tmp_path) -> None:
     import zerokit
 

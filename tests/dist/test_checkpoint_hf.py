@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from harness import run_world
@@ -64,6 +65,7 @@ def _convert(root: str, out: str, dtype: str) -> None:
                     "convert", os.path.join(root, "ckpt"), out, "--dtype", dtype], check=True)
 
 
+@pytest.mark.slow
 def test_converted_gpt2_loads_with_from_pretrained(tmp_path) -> None:
     for stage, dtype in [(3, "fp32"), (2, "bf16")]:
         root = str(tmp_path / f"s{stage}{dtype}")

@@ -29,6 +29,7 @@ MATRIX = [((2, 2, "offload"), (1, 1, "none")),          # offload -> none, fewer
           ((2, 3, "twin-flow"), (4, 2, "offload"))]     # Twin-Flow -> ratio 1, more ranks, stage 3 -> 2
 
 
+@pytest.mark.slow
 def test_offload_reshard_matrix() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as root:
@@ -74,6 +75,7 @@ def _delayed_run(world: int, *args):
     return _delayed_phase(0, 1, *args) if world == 1 else run_world(_delayed_phase, world, *args, timeout=300)[0]
 
 
+@pytest.mark.slow
 def test_delayed_update_resumes_at_another_world_size_and_stage() -> None:
     with tempfile.TemporaryDirectory() as root:
         first, saved_master = _delayed_run(2, root, "save", 2)

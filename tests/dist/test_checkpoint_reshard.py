@@ -74,6 +74,7 @@ def check_against_reference(matrix: list, results: dict, atol: float = 1e-6) -> 
                                        msg=lambda m: f"{src} -> {dst} {name}: {m}")
 
 
+@pytest.mark.slow
 def test_reshard_matrix() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as root:

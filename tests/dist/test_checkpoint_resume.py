@@ -20,6 +20,7 @@ import torch
 
 from harness import run_world
 from reference import tiny_gpt
+from fast_tier import slow_except
 
 STEPS, SAVE_AT, MICRO = 5, (2, 3), 2
 CASES = [(stage, dtype, "none") for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
@@ -139,11 +140,12 @@ def _run(world: int, cases: list) -> None:
         assert len(r) == len(cases) * len(SAVE_AT)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", slow_except([1, 2], fast=[1]))
 def test_exact_resume(world: int) -> None:
     _run(world, CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_exact_resume_with_offload(world: int) -> None:
     _run(world, OFFLOAD_CASES)

@@ -105,6 +105,7 @@ def _save(rank: int, world: int, root: str) -> None:
     engine.save_checkpoint(root, tag="U")
 
 
+@pytest.mark.slow
 def test_truncated_file_and_metadata_mismatch_are_refused_naming_the_file(tmp_path) -> None:
     root = str(tmp_path)
     run_world(_save, 2, root)

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
 
@@ -30,6 +32,7 @@ def _world_exits(code: int) -> list[tuple[int, str]]:
     return [(p.wait(timeout=120), p.stdout.read()) for p in procs]
 
 
+@pytest.mark.slow
 def test_a_rank_exits_with_its_code_and_no_beat_outlives_the_exit_hooks() -> None:
     # Before the fix one exit in four aborted here; two worlds (four exits) and, deterministically,
     # the count of live heartbeats after the hooks make the test fail on that code.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -107,6 +108,7 @@ def _export_delayed(rank: int, world: int, out_dir: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_16bit_export_waits_for_the_delayed_update(tmp_path) -> None:
     """save_16bit_model and consolidated_fp32_state_dict agree on the weights after the host
     update in flight (the export used to be one update behind), and exporting does not change

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from harness import run_world
+from fast_tier import slow_except
 
 pytestmark = pytest.mark.robustness
 # transformers is in the `test` extra: a missing one is a broken install, not a skip.
@@ -50,7 +51,7 @@ def _generate(rank: int, world: int) -> tuple[list[int], int]:
     return out[0].tolist(), engine.scheduler.stats["prefetched"]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", slow_except([2, 4], fast=[2]))
 def test_generate_synced_gpus_at_stage_3_with_different_prompt_lengths(world: int) -> None:
     results = run_world(_generate, world, timeout=180)
     plain = _tiny_gpt2()

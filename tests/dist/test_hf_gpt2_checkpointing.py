@@ -4,6 +4,7 @@ one-process reference: torch's checkpoint (non-reentrant, HF's default, and reen
 gradient_checkpointing_kwargs) and zerokit's (use_zerokit_checkpoint, host-kept inputs)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness import run_world
@@ -79,6 +80,7 @@ def _train(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_hf_gpt2_with_gradient_checkpointing_at_every_stage() -> None:
     model = _gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=LR)

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from harness import WorldFailed, run_world
 from reference import SEQ, reference_train
+from fast_tier import slow_except
 
 pytestmark = pytest.mark.robustness
 
@@ -96,7 +97,7 @@ def _train(rank: int, world: int, stage: int, mark: bool) -> dict[str, torch.Ten
     return engine.consolidated_fp32_state_dict()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", slow_except([2, 4], fast=[2]))
 def test_moe_leaf_with_per_rank_experts_equals_reference(world: int) -> None:
     _, expected = reference_train(_make, lambda p: torch.optim.SGD(p, lr=LR), _batches(world))
     for stage in (3, 2):

@@ -99,6 +99,7 @@ def _cycles_world(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_engines_free_what_they_made() -> None:
     for rank_result in run_world(_cycles_world, 2, timeout=400):
         for (case, mode), r in rank_result.items():

@@ -71,6 +71,7 @@ def test_disk_full_mid_run_fails_the_save_cleanly_and_training_stays_exact(tmp_p
     _equal_to_reference(seen["resumed"], want, "resumed from the last good checkpoint")
 
 
+@pytest.mark.slow
 def test_disk_full_on_sparse_swap_files_fails_the_step_naming_the_file(tmp_path) -> None:
     seen = _run(tmp_path, "sparse")
     assert "No space left on device" in seen["step_error"], seen

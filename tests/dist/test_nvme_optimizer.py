@@ -18,6 +18,7 @@ import torch
 
 from harness import run_world
 from reference import engine_train, global_batches, resume_train, tiny_gpt
+from fast_tier import slow_except
 
 STEPS, MICRO = 3, 2
 
@@ -86,8 +87,8 @@ def _exact(a, b):
 GRID = [(stage, dtype, world) for stage in (1, 2, 3) for dtype in ("fp32", "bf16") for world in (1, 2)]
 
 
-@pytest.mark.parametrize("stage,dtype,world", GRID)
-@pytest.mark.parametrize("opt", ["AdamW", "SGD"])
+@pytest.mark.parametrize("stage,dtype,world", slow_except(GRID, fast=[(1, "fp32", 1)]))
+@pytest.mark.parametrize("opt", slow_except(["AdamW", "SGD"], fast=["SGD"]))
 def test_nvme_equals_cpu_offload(tmp_path, stage, dtype, world, opt):
     clip = 0.0 if opt == "SGD" else 1.0  # SGD: nothing rescales the gradient but the kernel
     cpu = run_world(_train, world, _config(stage, dtype, opt, "cpu", None, clip=clip))
@@ -99,6 +100,7 @@ def test_nvme_equals_cpu_offload(tmp_path, stage, dtype, world, opt):
     assert not os.listdir(tmp_path), "the swap directory is removed when the engine is destroyed"
 
 
+@pytest.mark.slow
 def test_host_budget_splits_and_reports(tmp_path):
     """max_in_cpu keeps the first units' elements in host memory: same weights, fewer on NVMe;
     the I/O report counts exactly the master, gradient and Adam state of the NVMe elements, each
@@ -141,7 +143,8 @@ def _startup(rank, world, cfg):
     engine.destroy()
 
 
-@pytest.mark.parametrize("how,what", [("delete", "exp_avg.swp"), ("truncate", "nvme_master.swp")])
+@pytest.mark.parametrize("how,what", slow_except([("delete", "exp_avg.swp"), ("truncate", "nvme_master.swp")],
+                                              fast=[("delete", "exp_avg.swp")]))
 def test_broken_swap_file_names_it(tmp_path, how, what):
     msg = run_world(_train, 1, _config(2, "fp32", "AdamW", "nvme", str(tmp_path)), fail=how)[0]
     assert what in msg and ("short file" in msg or "No such file" in msg), msg
@@ -194,7 +197,8 @@ def test_too_small_path_and_impossible_budget_refused(tmp_path, monkeypatch):
 
 
 # ---- checkpoints: NVMe-resident state streamed file to file ([Note: nvme parts in checkpoints]) ----
-@pytest.mark.parametrize("stage,dtype,world", [(2, "bf16", 2), (3, "fp32", 1), (1, "fp32", 2)])
+@pytest.mark.parametrize("stage,dtype,world", slow_except([(2, "bf16", 2), (3, "fp32", 1), (1, "fp32", 2)],
+                                                      fast=[(3, "fp32", 1)]))
 def test_nvme_checkpoint_resume_is_exact(tmp_path, stage, dtype, world):
     nvme = _config(stage, dtype, "AdamW", "nvme", str(tmp_path / "swap"))
     (tmp_path / "swap").mkdir()
@@ -228,6 +232,7 @@ def _train_edit(rank, world, cfg):
     ("Lion", {"buffer_count": 2, "pipeline_read": True, "pipeline_write": False}),
     ("AdamW", {"buffer_count": 5, "pipeline_read": False, "pipeline_write": True}),
 ])
+@pytest.mark.slow
 def test_other_kernels_and_stream_settings(tmp_path, opt, stream):
     """Adagrad (a non-zero initial accumulator written into its state file), Lion, and every
     pipeline setting give cpu offload's weights; so does an edit under GatheredParameters."""
@@ -258,6 +263,7 @@ def _train_accumulating(rank, world, cfg, gas):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,dtype,gas", [(1, "fp32", 2), (2, "bf16", 2), (3, "fp32", 3)])
 def test_gradients_on_nvme_accumulate_like_cpu_offload(tmp_path, stage, dtype, gas):
     """The nvme part's gradient lives in its file ([Note: gradients on NVMe]): none in host
@@ -282,6 +288,7 @@ def _train_ledger(rank, world, cfg):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_with_offload_param_the_stream_writes_the_host_shard_in_place(tmp_path, dtype):
     """offload_param cpu + the optimizer on NVMe: the new weights land in the host shard itself
@@ -336,6 +343,7 @@ def _train_delayed(rank, world, cfg, steps, save_at=None, ckpt=None):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,dtype,max_in_cpu", [(2, "bf16", 0), (3, "fp32", 5000)])
 def test_delayed_update_on_nvme_equals_cpu_offloads(tmp_path, stage, dtype, max_in_cpu):
     """ZeRO-Offload's one-step delayed update with the optimizer on NVMe: the stream of step t

@@ -20,6 +20,7 @@ import torch
 
 from harness import run_world
 from reference import engine_train, global_batches, rank_micro_batch, reference_train, resume_train, tiny_gpt
+from fast_tier import slow_except
 from test_offload import _close
 
 STEPS, MICRO, LR = 3, 2, 1e-3
@@ -102,6 +103,7 @@ def _grid_world(rank, world, path):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_nvme_params_equal_cpu_params(tmp_path, world):
     results = run_world(_grid_world, world, str(tmp_path), timeout=300)
@@ -253,6 +255,7 @@ def _two_paths_world(rank, world, root):
     return {"one": one, "two": two, "fp32": fp32, "where": where, "stale": tier.stale_files}
 
 
+@pytest.mark.slow
 def test_weights_and_optimizer_on_two_paths(tmp_path):
     """offload_param and offload_optimizer may name different paths (two disks): the shards in
     one, master and moments in the other, the same numbers as one path (SGD-like, scale-
@@ -290,6 +293,7 @@ def _initialize_again_world(rank, world, path):
     return _train_and_destroy(new, rank, world)
 
 
+@pytest.mark.slow
 def test_initialize_again_on_the_same_path_while_the_old_engine_lives(tmp_path):
     """The second engine trains as plain torch does."""
     _check_against_torch(run_world(_initialize_again_world, 2, str(tmp_path)), 2)
@@ -297,6 +301,7 @@ def test_initialize_again_on_the_same_path_while_the_old_engine_lives(tmp_path):
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_checkpoint_resume_and_placement_moves(tmp_path):
     (tmp_path / "swap").mkdir()
     nvme = _config("bf16", "nvme", "nvme", str(tmp_path / "swap"))
@@ -322,6 +327,7 @@ def _init_world(rank, world, path):
     return plain, built, on_disk, files
 
 
+@pytest.mark.slow
 def test_zero_init_remote_nvme_equals_plain_build(tmp_path):
     for plain, built, on_disk, files in run_world(_init_world, 2, str(tmp_path)):
         assert on_disk > 0 and files, "construction shards were files"
@@ -349,7 +355,7 @@ def _broken(rank, world, path, how):
     return victim, "no error"
 
 
-@pytest.mark.parametrize("how", ["delete", "truncate"])
+@pytest.mark.parametrize("how", slow_except(["delete", "truncate"], fast=["delete"]))
 def test_broken_shard_file_names_it(tmp_path, how):
     victim, msg = run_world(_broken, 1, str(tmp_path), how)[0]
     assert os.path.basename(victim) in msg and ("short file" in msg or "No such file" in msg), msg

@@ -19,6 +19,7 @@ import torch
 
 from harness import run_world
 from reference import engine_train, global_batches, reference_train, tiny_gpt
+from fast_tier import slow_except
 
 STEPS, MICRO, LR = 4, 2, 1e-3
 OPT = {"AdamW": {"lr": LR, "weight_decay": 0.1}, "Adagrad": {"lr": 1e-2, "weight_decay": 0.01},
@@ -125,7 +126,7 @@ def _check_ledger(case, ratio, off: dict, on: dict) -> None:
     assert on["device", "weights"] == off["device", "weights"]
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", slow_except([1, 2], fast=[1]))
 def test_offload_matches_no_offload(world: int) -> None:
     results = [_parity_world(0, 1)] if world == 1 else run_world(_parity_world, world, timeout=300)
     for rank_result in results:
@@ -204,7 +205,7 @@ def _delayed_world(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", slow_except([1, 2], fast=[1]))
 def test_delayed_update_matches_stale_reference(world: int) -> None:
     results = [_delayed_world(0, 1)] if world == 1 else run_world(_delayed_world, world, timeout=300)
     batches = global_batches(DELAY_STEPS, MICRO * world)
@@ -254,6 +255,7 @@ def _lion_world(rank: int, world: int) -> dict:
             for stage, ratios in LION_SPLITS.items() for ratio in ratios}
 
 
+@pytest.mark.slow
 def test_lion_at_every_stage_and_split_matches_one_process_reference() -> None:
     """optimizer {type: Lion}: torch's Lion steps the device part, the native kernel the host part
     (Twin-Flow 0 < r < 1 has both); every stage, with and without offload, equals torch Lion on
@@ -377,6 +379,7 @@ def test_gathered_edit_reaches_host_master_under_delayed_update() -> None:
     engine.destroy()
 
 
+@pytest.mark.slow
 def test_exit_with_a_delayed_update_in_flight_is_clean() -> None:
     """A process that ends while the host worker still runs the delayed update must not abort
     (interpreter shutdown would unwind the daemon thread out of the native kernel)."""

@@ -20,6 +20,7 @@ import torch
 
 from harness import run_world
 from reference import TINY, global_batches, rank_micro_batch, tiny_gpt
+from fast_tier import slow_except
 from test_offload import LR, STEPS, _close, _config, _train
 
 # (dtype, offload_optimizer ratio or None, delayed update) at stage 3
@@ -43,7 +44,7 @@ def _param_world(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", slow_except([1, 2], fast=[1]))
 def test_offload_param_matches_no_offload_param(world: int) -> None:
     results = [_param_world(0, 1)] if world == 1 else run_world(_param_world, world, timeout=300)
     for rank_result in results:

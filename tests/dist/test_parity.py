@@ -19,6 +19,7 @@ import torch
 
 from harness import run_world
 from reference import engine_train, global_batches, reference_train, tiny_gpt
+from fast_tier import slow_except
 
 STEPS, MICRO, LR = 5, 2, 1e-3
 CASES = [(stage, dtype, gas, "AdamW") for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")
@@ -87,7 +88,7 @@ def _check(case, got, ref) -> None:
     assert set(ref_weights) <= set(weights)  # weights also names tied aliases (lm_head.weight)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", slow_except([1, 2, 4], fast=[1, 2]))
 def test_stages_match_reference(world: int) -> None:
     if world == 1:  # no launcher, no process group: what a notebook user does
         results = [_train_zerokit(0, 1, CASES)]

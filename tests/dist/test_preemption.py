@@ -77,6 +77,7 @@ CASES = [("forward", "0,1", 2), ("backward", "0,1", 2), ("step", "0,1", 3), ("be
          ("backward", "0", 2), ("step", "1", 3)]
 
 
+@pytest.mark.slow
 def test_sigterm_at_each_point_saves_a_loadable_checkpoint_and_exits_75(tmp_path) -> None:
     from zerokit import PREEMPTED_EXIT_CODE
 

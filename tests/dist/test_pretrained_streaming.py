@@ -315,6 +315,7 @@ def _direct_ranks(rank: int, world: int, path: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_load_pretrained_sharded_exact_and_below_the_peak_bound(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     world = 4

@@ -31,6 +31,7 @@ import torch
 
 from harness import run_world
 from reference import engine_train, global_batches, reference_train, tiny_gpt
+from fast_tier import slow_except
 
 STEPS, MICRO, LR = 2, 2, 0.05
 COMPUTE = ("fp32", "bf16", "fp16-static", "fp16-dynamic")
@@ -103,7 +104,7 @@ def _run(world: int) -> None:
     assert not failures, f"{len(failures)} of {len(CASES) * world} cases:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", slow_except([1, 2], fast=[1]))
 def test_sgd_update_matches_reference(world: int) -> None:
     _run(world)
 

@@ -17,6 +17,7 @@ import torch
 
 from harness import run_world
 from reference import engine_train, global_batches, reference_train, tiny_gpt
+from fast_tier import slow_except
 
 STEPS, MICRO = 3, 2
 LR = 1e-3
@@ -80,6 +81,7 @@ GRID = [("cpu", 1, "fp32", 2, "SGD"), ("cpu", 2, "bf16", 1, "AdamW"), ("cpu", 3,
         ("nvme", 3, "fp32", 2, "AdamW"), ("nvme", 2, "bf16", 1, "AdamW")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device,stage,dtype,world,opt", GRID)
 def test_step_in_backward_equals_the_step(tmp_path, device, stage, dtype, world, opt):
     base = run_world(_train, world, _config(stage, dtype, device, str(tmp_path), opt=opt,
@@ -98,7 +100,7 @@ def test_step_in_backward_equals_the_step(tmp_path, device, stage, dtype, world,
             assert base[r]["io"]["bytes_read"] == 16 * n
 
 
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("device", slow_except(["cpu", "nvme"], fast=["nvme"]))
 def test_step_in_backward_matches_torch(tmp_path, device):
     """Independent of zerokit's own step: torch's AdamW over the same batches (fp32, world 2)."""
     ref_losses, ref = reference_train(tiny_gpt, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1),
@@ -109,7 +111,7 @@ def test_step_in_backward_matches_torch(tmp_path, device):
             torch.testing.assert_close(r["weights"][name], w, rtol=1e-5, atol=LR * 1e-3, msg=name)
 
 
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("device", slow_except(["cpu", "nvme"], fast=["cpu"]))
 def test_step_in_backward_gradient_scale_matches_torch(tmp_path, device):
     """Adam hides a gradient's scale; the SGD-like update (no moments, eps >> |g|) moves each
     weight by ~lr * g / eps, so the updates themselves, compared with torch's relatively, catch a
@@ -178,7 +180,7 @@ def _nonfinite(rank, world, cfg):
     return errors
 
 
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("device", slow_except(["cpu", "nvme"], fast=["cpu"]))
 def test_nonfinite_gradient_stops_the_engine(tmp_path, device):
     """nonfinite 'skip' (the default) cannot skip an update applied in backward: step() raises
     and the engine refuses to train on."""
@@ -226,6 +228,7 @@ def _resident_after_steps(rank, world, cfg, layers, width):
     return rss, numel
 
 
+@pytest.mark.slow
 def test_no_gradient_buffer_is_kept_between_steps(tmp_path):
     """Measured, not from the ledger: the process's resident memory after three steps with host
     offload is lower stepping in backward by about the fp32 gradient of every element (4 B each),
@@ -256,6 +259,7 @@ def _read_between(rank, world, cfg):
     return between[0], out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_reading_the_state_between_backward_and_step(tmp_path, device):
     """Reading a part's state while its worker may still step ends that worker instead of waiting

@@ -114,6 +114,7 @@ def _zero_grad_cases(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_zero_grad_from_user_code_anywhere_keeps_training_equal_to_reference() -> None:
     results = run_world(_zero_grad_cases, WORLD, timeout=600)
     ref = _reference()

@@ -4,6 +4,7 @@ runs under a gather budget smaller than itself, and embedding tiles nobody looks
 gathered, even when the ranks look up different rows ([Note: tiles across ranks])."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -190,6 +191,7 @@ def _peak_live(rank: int, world: int, in_splits: int, out_splits: int) -> tuple[
     return peak, engine.consolidated_fp32_state_dict()
 
 
+@pytest.mark.slow
 def test_tiled_layer_runs_under_a_gather_budget_smaller_than_the_layer() -> None:
     def make(in_splits: int, out_splits: int):
         def build() -> Regression:

@@ -66,6 +66,7 @@ def _construction_peak(rank: int, world: int) -> dict:
     return {"peak_delta": peak[0] - before, "full": full}
 
 
+@pytest.mark.slow
 def test_init_peak_per_rank_is_a_fraction_of_the_model(monkeypatch) -> None:
     # glibc keeps freed heap pages (its mmap threshold grows with each large free), so plain RSS
     # counts memory the model no longer holds; a fixed threshold returns every large block to

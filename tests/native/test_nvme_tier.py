@@ -197,6 +197,7 @@ def test_file_gradient_accumulates_zero_fills_and_norms_like_a_tensor(tier, monk
     assert grad.sq_norm() == 10.0
 
 
+@pytest.mark.slow
 def test_opening_while_another_rank_leaves_the_shared_directory(tmp_path):
     # A rank closing its tier removes the shared zerokit-swap directory once it is empty; a
     # rank opening its own at that moment must not fail with "No such file or directory".

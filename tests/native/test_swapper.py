@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from zerokit.io import AioConfig, AioError, BufferPool, ChecksumError, TensorSwapper
+from fast_tier import slow_except
 
 from _aio_backends import BACKENDS
 
@@ -182,7 +183,7 @@ backend = sys.argv[1] if len(sys.argv) > 1 else "auto"
 """
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", slow_except(BACKENDS, fast=BACKENDS[:1]))
 def test_disk_full_is_a_clean_error_and_others_survive(tmp_path, backend):
     # RLIMIT_FSIZE makes writes past 1 MiB fail with EFBIG, as a full disk fails with ENOSPC,
     # without root or a real full disk; SIGXFSZ is ignored so the process gets the error.

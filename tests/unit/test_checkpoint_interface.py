@@ -21,11 +21,13 @@ from zerokit.checkpoint.interface import (FileRange, LoadPiece, ParamRecord, Sav
                                           UnitRecord)
 from zerokit.comm.collectives import Comm
 from zerokit.units.lease import ReadLease
+from fast_tier import slow_except
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 
 
-@pytest.mark.parametrize("module", ["zerokit.checkpoint", "zerokit.config", "zerokit.config.plan", "zerokit.io"])
+@pytest.mark.parametrize("module", slow_except(["zerokit.checkpoint", "zerokit.config", "zerokit.config.plan",
+                                                 "zerokit.io"], fast=["zerokit.checkpoint"]))
 def test_importing_a_part_does_not_import_the_engine(module: str) -> None:
     code = f"import {module}, sys; assert 'zerokit.engine' not in sys.modules, sorted(sys.modules)"
     env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC))

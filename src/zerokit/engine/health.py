@@ -36,13 +36,8 @@ def describe_position(engine: "Engine") -> str:
     """This rank's place in its schedule, for failure reports (each rank reports its own)."""
     text = (f"global step {engine.global_steps}, {engine.training_state.value} "
             f"(micro-step {engine.micro_steps})")
-    scheduler = engine.scheduler
-    if scheduler is not None:
-        pos, uses = scheduler._pos, scheduler._recording
-        last = f", last unit '{uses[-1].name}'" if uses else ""
-        text += (f", stage-3 use {pos} of this iteration{last} (the recorded order has "
-                 f"{len(scheduler.trace)} uses)")
-    return text
+    where = engine.scheduler.position()  # None where no order of uses is kept (stages 0-2)
+    return f"{text}, {where}" if where else text
 
 
 @dataclass

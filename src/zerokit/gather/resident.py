@@ -31,5 +31,9 @@ class ResidentSchedule:
     def end_backward(self) -> None:
         """Nothing to release."""
 
+    def position(self) -> None:
+        """Nothing to add to a failure report: no order of uses is kept (see start_iteration)."""
+        return None
+
     def check_state_dict(self) -> None:
         """Every weight is resident: model.state_dict() reads them directly."""

@@ -108,6 +108,13 @@ class Stage3Scheduler:
             u.release()
         self._finish_iteration()
 
+    def position(self) -> str:
+        """Where this iteration is in its order of uses, for failure reports (see
+        engine/health.py::describe_position): ranks that diverged show different positions."""
+        last = f", last unit '{self._recording[-1].name}'" if self._recording else ""
+        return (f"stage-3 use {self._pos} of this iteration{last} (the recorded order has "
+                f"{len(self.trace)} uses)")
+
     def check_state_dict(self) -> None:
         raise RuntimeError(
             "model.state_dict() at ZeRO stage 3 would gather every weight on every rank; use "

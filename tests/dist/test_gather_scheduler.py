@@ -116,3 +116,89 @@ def test_ranks_taking_different_paths_fail_naming_the_units(stage: int) -> None:
     text = str(info.value)
     assert "ranks diverged" in text and "unit 'blocks." in text, text
     assert "rank 0:" in text and "rank 1:" in text, text
+
+
+# ---- the scheduler alone (gather/scheduler.py), one process, units that only count -----------
+class CountingUnit:
+    """What the scheduler reads of a unit, with gathers and releases recorded, no bytes."""
+
+    def __init__(self, name: str, padded_numel: int, log: list) -> None:
+        from zerokit.states import WeightState
+
+        self.name, self.numel, self.padded_numel, self.shard_numel = name, padded_numel, padded_numel, 0
+        self.state, self.nvme_shard, self.module = WeightState.SHARDED, None, nn.Identity()
+        self._log = log
+
+    def gather(self) -> None:
+        from zerokit.states import WeightState
+
+        if self.state is WeightState.SHARDED:
+            self._log.append(("gather", self.name))
+        self.state = WeightState.GATHERED
+
+    def release(self) -> None:
+        from zerokit.states import WeightState
+
+        self.state = WeightState.SHARDED
+
+    def wait_weights(self) -> None:
+        pass
+
+
+def _scheduler(sizes: list[int], **zero) -> tuple[object, list[CountingUnit], list]:
+    from zerokit.config import load_config
+    from zerokit.gather.scheduler import Stage3Scheduler
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1,
+                       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                             "stage3_max_reuse_distance": 0, **zero}})
+    log: list = []
+    units = [CountingUnit(f"u{i}", n, log) for i, n in enumerate(sizes)]
+    return Stage3Scheduler(units, None, cfg.zero_optimization, nn.Identity()), units, log
+
+
+def _iteration(sched, units, order) -> None:
+    sched.start_iteration()
+    for i in order:
+        sched.use(units[i])
+        sched.after_forward(units[i], torch.zeros(1))  # no grad: releases (not the root)
+    sched.end_backward()
+
+
+def test_scheduler_records_then_prefetches_within_the_bucket() -> None:
+    sched, units, log = _scheduler([100, 100, 100, 100], stage3_prefetch_bucket_size=250)
+    _iteration(sched, units, [0, 1, 2, 3])
+    # Step 0 records: each unit gathered at its own use, nothing ahead.
+    assert log == [("gather", f"u{i}") for i in range(4)] and sched.stats["prefetched"] == 0
+    assert [u.name for u in sched.trace] == ["u0", "u1", "u2", "u3"]
+    log.clear()
+    sched.start_iteration()
+    sched.use(units[0])
+    # Step 1 follows the trace: u1 and u2 (200 elements) fit the 250-element bucket, u3 not.
+    assert log == [("gather", "u0"), ("gather", "u1"), ("gather", "u2")]
+    assert sched.position() == ("stage-3 use 1 of this iteration, last unit 'u0' (the recorded "
+                                "order has 4 uses)")
+
+
+def test_scheduler_stops_predicting_when_the_order_changes_and_records_the_new_one() -> None:
+    sched, units, log = _scheduler([100, 100, 100, 100], stage3_prefetch_bucket_size=150)
+    _iteration(sched, units, [0, 1, 2, 3])
+    log.clear()
+    _iteration(sched, units, [0, 2, 1, 3])
+    # u0 follows the trace and prefetches u1 (150 elements: one unit ahead); u2 breaks the
+    # order, so from there each unit is gathered at its use, none ahead (still predicting, the
+    # use of u2 would have prefetched u3).
+    assert log == [("gather", "u0"), ("gather", "u1"), ("gather", "u2"), ("gather", "u3")]
+    assert sched.stats["prefetched"] == 1
+    assert [u.name for u in sched.trace] == ["u0", "u2", "u1", "u3"] and sched.stats["recorded"] == 2
+
+
+def test_scheduler_never_holds_more_than_max_live_parameters() -> None:
+    sched, units, log = _scheduler([100, 100, 100, 100], stage3_prefetch_bucket_size=1000,
+                                   stage3_max_live_parameters=250)
+    _iteration(sched, units, [0, 1, 2, 3])
+    log.clear()
+    sched.start_iteration()
+    sched.use(units[0])
+    # u0 is live (100); u1 brings it to 200; u2 would make 300 > 250.
+    assert log == [("gather", "u0"), ("gather", "u1")]
