@@ -14,7 +14,7 @@ import torch.nn as nn
 from zerokit.units.leaf import get_leaf_modules, set_leaf_modules, unset_leaf_modules  # noqa: F401
 from zerokit.units.unit import Unit, WeightState, unit_of
 from zerokit.policy import PlacementPolicy
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 from zerokit.pretrained import LoadReport, load_pretrained_sharded  # noqa: F401  (public here)
 from zerokit.tiling import TiledEmbedding, TiledLinear, TiledLinearReturnBias  # noqa: F401  (public here)
 

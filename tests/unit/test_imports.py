@@ -22,7 +22,8 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "zerokit"
 
 # Lowest first. Keep in step with the table in docs/architecture.md ("Layout (as built)").
 LAYERS: list[tuple[str, ...]] = [
-    ("logs", "states", "io", "comm", "policy", "data", "models"),  # import no other package
+    ("logs", "sizes", "states", "tier_names"),  # vocabulary: import no other package
+    ("io", "comm", "policy", "data", "models"),
     ("config", "tiers"),
     ("optim",),
     ("parts",),
@@ -45,6 +46,9 @@ UPWARD: dict[tuple[str, str], str] = {
     ("export.py", "zerokit.engine.engine"):
         "annotation only (TYPE_CHECKING): save_16bit_model(engine, ...) is DeepSpeed's API on "
         "an engine; export.py itself uses only the engine's units and comm",
+    ("io/__init__.py", "zerokit.tiers.nvme_swapper"):
+        "function-level (PEP 562, on first use): zerokit.io.TensorSwapper stays the public name of "
+        "the swapper, which now lives on the nvme tier (tiers/nvme_swapper.py)",
     ("tiling.py", "zerokit.zero"):
         "function-level: the tiles gather through zero.GatheredParameters, and zero.py "
         "re-exports the tiles as its public API (zero.TiledLinear, as DeepSpeed)",

@@ -1,4 +1,4 @@
-"""tiers/names.py TierName: one name per tier in code, the same text everywhere it is printed."""
+"""tier_names.py TierName: one name per tier in code, the same text everywhere it is printed."""
 import json
 
 import pytest

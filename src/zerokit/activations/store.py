@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zerokit.activations.options import SETTINGS
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 _names = itertools.count()
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from zerokit.config.ignored import format_ignored, ignored_settings
 from zerokit.logs import log
 from zerokit.sizes import mib
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 if TYPE_CHECKING:  # described through its public attributes; importing this imports no engine
     from zerokit.engine.engine import Engine

@@ -31,7 +31,7 @@ from zerokit.engine.lr_schedules import build_scheduler
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tiers import Ledger
 from zerokit.tiers.host_release import release_free_host_memory
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 from zerokit.tiers.nvme import NvmeTier
 from zerokit.logs import configure_logging
 from zerokit.zero import adopt_constructed, constructed_host_bytes, retire_constructed

@@ -45,7 +45,7 @@ from zerokit.checkpoint.interface import (FileRange, Fill, HostRecord, LoadPiece
                                           SaveState, UnitRecord, segment_numel)
 from zerokit.checkpoint.metadata import IN_USE
 from zerokit.states import WeightState
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 if TYPE_CHECKING:
     from zerokit.units.unit import Unit

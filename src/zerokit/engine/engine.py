@@ -34,7 +34,7 @@ from zerokit.policy import PartitionPolicy
 from zerokit.gather import schedule_for
 from zerokit.tiers import Ledger
 from zerokit.tiers.host_release import release_free_host_memory
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 log = logging.getLogger("zerokit")
 

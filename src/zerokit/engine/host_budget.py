@@ -16,7 +16,7 @@ import psutil
 
 from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
 from zerokit.policy import PlacementPolicy
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 GiB = 1 << 30
 _CGROUP = "/sys/fs/cgroup"

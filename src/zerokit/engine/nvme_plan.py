@@ -17,7 +17,7 @@ import tempfile
 
 from zerokit.engine.host_budget import local_ranks, size
 from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 
 class NvmePathError(OSError):

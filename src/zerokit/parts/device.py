@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.policy.layout import OptimizerPart
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 
 class DevicePart:

@@ -36,7 +36,7 @@ from zerokit.optim.recipe import state_bytes
 from zerokit.optim import HostAdagrad, HostAdam, HostLion, Lion
 from zerokit.optim import host as K
 from zerokit.policy import PlacementPolicy
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 SUPPORTED = ("Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/AdamW/Adagrad and "
              "zerokit.optim.Lion instances")

@@ -10,7 +10,7 @@ from zerokit.policy.layout import OptimizerPart
 from zerokit.parts.held_gradient import HeldGradient
 from zerokit.parts.kernel_part import STATE_NAMES, KernelOperands, WeightsOut
 from zerokit.optim import host as host_kernels
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 from zerokit.tiers.tier import CopyHandle, Tier
 
 

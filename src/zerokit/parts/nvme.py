@@ -21,7 +21,7 @@ from zerokit.parts.held_gradient import HeldGradient, host_buffer
 from zerokit.parts.kernel_part import STATE_NAMES, WeightsOut
 from zerokit.parts.ranges import uncovered
 from zerokit.policy.layout import OptimizerPart
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
 from zerokit.tiers.nvme_shard import FileHome
 

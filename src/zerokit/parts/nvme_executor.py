@@ -40,7 +40,7 @@ from zerokit.parts.kernel_part import STATE_NAMES, KernelOperands
 from zerokit.parts.executors import HostExecutor, PartFeed
 from zerokit.io.aio import wait_all
 from zerokit.policy import PlacementPolicy
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 from zerokit.tiers.nvme import NvmeHandle, NvmeTier
 
 

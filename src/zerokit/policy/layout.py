@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from zerokit.policy import PartitionPolicy, PlacementPolicy
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 ALIGN = 32  # elements per shard boundary: keeps every shard 64-byte aligned for SIMD kernels
 

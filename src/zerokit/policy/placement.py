@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 # Split points are multiples of this many elements, so the host part starts and ends on a
 # 64-element (256-byte fp32) boundary, the unit the host kernels split work between threads in.

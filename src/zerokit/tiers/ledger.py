@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from zerokit.sizes import mib
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 TIERS = tuple(TierName)
 _TIER_TEXT = tuple(t.value for t in TIERS)  # errors print ('device', 'host', 'nvme')

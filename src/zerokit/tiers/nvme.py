@@ -47,7 +47,7 @@ from zerokit.io.file_range import FileRange  # noqa: F401 (re-exported: the tier
 from zerokit.io.stream import CompletedWrite, read_chunks, write_chunks
 from zerokit.io.swap_directory import SWAP_DIR, SwapDirectory  # noqa: F401 (SWAP_DIR: re-exported)
 from zerokit.tiers.ledger import Ledger
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 
 
 class IOStats:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 from zerokit.states import ShardResidency, move
 from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
 

@@ -37,7 +37,7 @@ from zerokit.io.file_range import FileRange
 from zerokit.io.stream import CompletedWrite, ring_pool
 from zerokit.states import SwapState, move
 from zerokit.tiers.ledger import Ledger
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 from zerokit.tiers.nvme import NvmeHandle, NvmeTier
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from zerokit.tiers.ledger import Ledger
-from zerokit.tiers.names import TierName
+from zerokit.tier_names import TierName
 from zerokit.tiers.transfer import side_stream
 
 
