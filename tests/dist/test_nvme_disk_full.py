@@ -61,6 +61,7 @@ def _equal_to_reference(got: dict, want: dict, what: str) -> None:
                                    msg=lambda m: f"{what} {name}: {m}")
 
 
+@pytest.mark.slow
 def test_disk_full_mid_run_fails_the_save_cleanly_and_training_stays_exact(tmp_path) -> None:
     seen = _run(tmp_path, "reserved")
     assert "the disk is full" in seen["save_error"] and "rank00000" in seen["save_error"], seen
