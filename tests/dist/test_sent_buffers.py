@@ -153,3 +153,19 @@ def test_every_sent_buffer_trains_as_plain_torch() -> None:
                     continue  # tied to emb.weight
                 torch.testing.assert_close(r["final"][name], v, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, n=name: f"{case} {n}: {m}")
+
+
+def test_a_collective_refuses_a_buffer_whose_storage_was_freed() -> None:
+    """The guard behind every collective: a view outliving its storage's bytes is named, never
+    sent (gloo would abort with 'writev: Bad address', or send whatever lies there now)."""
+    import pytest
+
+    from zerokit.comm.collectives import CollectiveError, require_backed
+
+    flat = torch.zeros(100)
+    bias = flat[60:90]
+    assert require_backed(bias, "broadcast", "x") is bias
+    flat.untyped_storage().resize_(0)
+    with pytest.raises(CollectiveError, match=r"broadcast for unit 'u' \(b\): its buffer's storage holds 0 bytes"):
+        require_backed(bias, "broadcast", "unit 'u' (b)")
+    assert require_backed(torch.empty(0), "broadcast", "x").numel() == 0
