@@ -16,6 +16,9 @@ fp32 masters), lp_grads (the gradient buffers), contiguous_grad_buffer (the redu
 shards) and optim_states (the optimizer's state). As in DeepSpeed, the states an offloaded
 optimizer already keeps on the host (offload_optimizer) are not device states and stay where
 they are. Training, saving or loading while offloaded is refused until reload_states().
+The ledger moves its counts with an offload of every type (the default); with `include` naming
+only some, the bytes move but the ledger keeps counting them on the device (a ledger entry is
+not labelled with DeepSpeed's state types): a known gap.
 """
 from __future__ import annotations
 
