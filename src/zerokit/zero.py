@@ -249,6 +249,18 @@ def adopt_constructed(model: nn.Module, params: list[nn.Parameter]) -> list[Unit
     return units
 
 
+def retire_laid_out(gathered: list[Unit]) -> list[Unit]:
+    """Retire the construction units none of whose parameters still reads their buffer (each was
+    laid out into an engine unit); return the others, whose buffer must stay."""
+    still = []
+    for u in gathered:
+        if any(unit_of(s.param) is u for s in u.slots):
+            still.append(u)
+        else:
+            u.retire()
+    return still
+
+
 def constructed_host_bytes(model: nn.Module) -> int:
     """Host bytes the construction units of `model` hold (zero.Init shards in host memory):
     initialize frees them as it lays out the model's units, so its host check counts them as

@@ -92,8 +92,8 @@ def test_contiguous_checkpoints_live_in_one_preallocated_buffer() -> None:
     model = _model()
     activations.apply_activation_checkpointing(model)
     x = torch.randint(0, CFG.vocab_size, (B, T))
-    model(x, x)
-    kept = [p.kept for k in activations.STORE.pending for p in k.pieces if p is not None]
+    first = model(x, x)  # its graph alive: its checkpoints keep their slots
+    kept = [p.kept for k in activations.STORE.alive() for p in k.pieces if p is not None]
     base = activations.STORE.buffers[0].data_ptr()
     assert [t.data_ptr() - base for t in kept] == [i * LAYER_BYTES for i in range(CFG.n_layer)]
     # a second forward without backward has no free slot: named, with the way out
@@ -101,6 +101,7 @@ def test_contiguous_checkpoints_live_in_one_preallocated_buffer() -> None:
         model(x, x)
     activations.reset()
     assert not activations.STORE.pending and not activations.STORE.buffers
+    del first
     model(x, x).backward()
 
 
@@ -191,3 +192,68 @@ def test_where_a_checkpointed_input_is_restored_from_with_the_cuda_facts_injecte
     assert restore_source("host", copied_on_side_stream=False) == "fetch"
     with pytest.raises(ValueError, match="'nvme'"):
         restore_source("nvme", copied_on_side_stream=False)
+
+
+# ---- kept inputs live with the autograd graph ([Note: kept inputs live with the graph]) --------
+def test_a_forward_never_backpropagated_frees_its_kept_inputs() -> None:
+    """An evaluation loss computed without no_grad, then dropped: what its checkpoints kept goes
+    with its graph (the store once held it in a module-level list until a backward came)."""
+    ledger = Ledger()
+    activations.use_ledger(ledger)
+    model = _model()
+    activations.apply_activation_checkpointing(model)
+    x = torch.randint(0, CFG.vocab_size, (B, T))
+    loss = model(x, x)
+    assert len(activations.STORE.alive()) == CFG.n_layer
+    assert ledger.bytes(kind="activations") == CFG.n_layer * LAYER_BYTES
+    kept = [p.kept for k in activations.STORE.alive() for p in k.pieces if p is not None]
+    storages = [t.untyped_storage()._weak_ref() for t in kept]
+    del kept, loss
+    assert not activations.STORE.pending and ledger.bytes(kind="activations") == 0
+    # the tensors themselves are gone, not only uncounted
+    assert all(torch.UntypedStorage._expired(ref) for ref in storages)
+    model(x, x).backward()  # and a later training forward is unaffected
+    assert not activations.STORE.pending and ledger.bytes(kind="activations") == 0
+
+
+def test_a_checkpoint_nested_in_another_keeps_nothing_after_the_step() -> None:
+    """The inner checkpoint runs inside the outer's no-grad forward (no graph: freed at once)
+    and again inside its recomputation (restored by the outer's backward)."""
+    ledger = Ledger()
+    activations.use_ledger(ledger)
+    inner = torch.nn.Linear(8, 8)
+    outer = torch.nn.Linear(8, 8)
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        return outer(activations.checkpoint(inner, h).relu())
+
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(3):
+        activations.checkpoint(block, x).sum().backward()
+    assert not activations.STORE.pending and ledger.bytes(kind="activations") == 0
+    want_x = x.grad.clone()
+    x.grad = None
+    for _ in range(3):
+        block(x).sum().backward()
+    assert torch.equal(x.grad, want_x)
+
+
+def test_forty_evaluation_forwards_do_not_grow_memory() -> None:
+    """The issue's measure: 40 checkpointed forwards never backpropagated. The store held every
+    one's inputs (+117 MiB on the issue's model; DeepSpeed +1 MiB); now the graph frees them."""
+    import gc
+
+    cfg = GPTConfig(vocab_size=64, block_size=128, n_layer=4, n_head=2, n_embd=64, bias=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    activations.apply_activation_checkpointing(model)
+    x = torch.randint(0, cfg.vocab_size, (8, 128))
+    ledger = Ledger()
+    activations.use_ledger(ledger)
+    per_forward = cfg.n_layer * 8 * 128 * cfg.n_embd * 4  # 1 MiB kept per forward
+    for _ in range(40):
+        model(x, x).item()
+    gc.collect()
+    assert ledger.bytes(kind="activations") == 0, ledger.bytes(kind="activations")
+    assert ledger.bytes(kind="activations", peak=True) == per_forward  # one forward's at a time
+    assert not activations.STORE.pending

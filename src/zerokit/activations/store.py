@@ -19,6 +19,7 @@ inputs being restored, about one layer's worth, instead of every layer's.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,15 +49,23 @@ class Piece:
     fetch_event: Any = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Kept:
     """The saved inputs of one checkpoint, in argument order (None where an argument is not an
-    activation: kept as given)."""
+    activation: kept as given).
+
+    [Note: kept inputs live with the graph] Only the checkpoint's autograd node (its ctx) holds
+    a Kept; the store's list of pending checkpoints holds weak references. A forward whose graph
+    dies without a backward (an evaluation loss computed without no_grad, a checkpoint nested in
+    another's no-grad forward) frees its inputs with the graph: a finalizer takes them off the
+    ledger and out of the list. (A module-level list holding them leaked every such forward.)
+    """
 
     pieces: list[Piece | None]
     others: list[Any]
     restored: bool = False
     releases: list = field(default_factory=list)
+    held: list = field(default_factory=list)  # (ledger, name) still counted; shared with the finalizer
 
 
 def is_activation(item: Any) -> bool:
@@ -66,7 +75,9 @@ def is_activation(item: Any) -> bool:
 
 class Store:
     def __init__(self) -> None:
-        self.pending: list[Kept] = []   # checkpoints kept in forward order, not yet restored
+        # checkpoints kept in forward order, not yet restored: weak (see [Note: kept inputs
+        # live with the graph])
+        self.pending: list[weakref.ref] = []
         self.buffers: dict[int, torch.Tensor] = {}  # input position -> contiguous slots
         self.slot: dict[int, int] = {}
         self.buffer_ledgers: dict[int, Any] = {}  # where each buffer's bytes are counted
@@ -84,10 +95,29 @@ class Store:
             else:
                 pieces.append(None)
                 others.append(item)
-        kept = Kept(pieces, others)
-        self.pending.append(kept)
+        kept = Kept(pieces, others, held=[(p.ledger, p.name) for p in pieces if p is not None and p.name])
+        ref = weakref.ref(kept)
+        self.pending.append(ref)
+        weakref.finalize(kept, self._dropped, ref, kept.held)  # the list, never the Kept
         self.stats["kept"] += 1
         return kept
+
+    def _dropped(self, ref: weakref.ref, names: list) -> None:
+        """A kept checkpoint was collected (restored, or its graph died without a backward)."""
+        for ledger, name in names:  # those restore or reset did not release
+            ledger.release(name)
+        names.clear()
+        self._forget(ref)
+
+    def _forget(self, ref: weakref.ref) -> None:
+        if ref in self.pending:
+            self.pending.remove(ref)
+            if not self.pending:  # every checkpoint of this forward is gone: the slots are free
+                self.slot = dict.fromkeys(self.slot, 0)
+
+    def alive(self) -> list[Kept]:
+        """The kept checkpoints still pending, in forward order."""
+        return [k for k in (r() for r in self.pending) if k is not None]
 
     def _keep_one(self, position: int, t: torch.Tensor) -> Piece:
         opts = SETTINGS.options
@@ -145,7 +175,7 @@ class Store:
 
     def _finish_copies(self) -> None:
         """Let go of device inputs whose host copies have landed (CUDA's copies are async)."""
-        for kept in self.pending:
+        for kept in self.alive():
             for piece in kept.pieces:
                 if piece is not None and piece.event is not None and piece.event.query():
                     piece.source = piece.event = None
@@ -154,18 +184,17 @@ class Store:
     def restore(self, kept: Kept) -> list[Any]:
         """The inputs as given to the checkpoint, on their devices; starts the previous
         checkpoint's fetch (see [Note: kept activations])."""
-        index = next((i for i, k in enumerate(self.pending) if k is kept), None)
+        alive = self.alive()
+        index = next((i for i, k in enumerate(alive) if k is kept), None)
         if index is None:
             raise RuntimeError("zerokit.activations: backward through a checkpoint whose kept "
                                "inputs were dropped by reset() or configure() after its forward")
-        self.pending.pop(index)
         if index > 0:
-            self._prefetch(self.pending[index - 1])
+            self._prefetch(alive[index - 1])
         args = [other if piece is None else self._whole(piece, kept)
                 for piece, other in zip(kept.pieces, kept.others)]
         self.stats["restored"] += 1
-        if not self.pending:  # every checkpoint of this forward is back: the slots are free
-            self.slot = dict.fromkeys(self.slot, 0)
+        self._forget(weakref.ref(kept))
         return args
 
     def _prefetch(self, kept: Kept) -> None:
@@ -193,6 +222,7 @@ class Store:
             kept.releases.append(SETTINGS.ledger.transient("activations", here, tier=TierName.DEVICE))
         if piece.name:
             piece.ledger.release(piece.name)
+            kept.held.remove((piece.ledger, piece.name))
         return here.reshape(-1)[:piece.shape.numel()].view(piece.shape)
 
     @staticmethod
@@ -211,10 +241,10 @@ class Store:
     def reset(self) -> None:
         """Forget every kept checkpoint and the contiguous buffers (DeepSpeed's reset(), for
         forwards that have no backward, as evaluation)."""
-        for kept in self.pending:
-            for piece in kept.pieces:
-                if piece is not None and piece.name:
-                    piece.ledger.release(piece.name)
+        for kept in self.alive():
+            for ledger, name in kept.held:
+                ledger.release(name)
+            kept.held.clear()
         for position, ledger in self.buffer_ledgers.items():
             ledger.release(f"activation buffer {position}")
         self.__init__()

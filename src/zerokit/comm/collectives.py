@@ -75,6 +75,21 @@ def _at_exit() -> None:
             pass
 
 
+def require_backed(t: torch.Tensor, op: str, where: str) -> torch.Tensor:
+    """`t`, after checking its storage still holds every byte it views. A buffer resized to zero
+    (a released gather, a retired zero.Init unit) keeps its shape: handed to a collective it is
+    sent from freed memory, which gloo reports as "writev: Bad address", or which sends whatever
+    lies there now. Checked when a collective is posted, so a deferred one is checked too."""
+    need = (t.storage_offset() + (t.numel() and 1 + sum((n - 1) * st for n, st in
+                                                       zip(t.shape, t.stride())))) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if t.numel() and have < need:
+        raise CollectiveError(f"{op} for {where}: its buffer's storage holds {have} bytes but the "
+                              f"tensor ({tuple(t.shape)}, {t.dtype}) views {need}: the memory was "
+                              f"freed (storage resized to zero) before the collective used it")
+    return t
+
+
 @dataclass
 class Handle:
     """An in-flight collective. `wait()` runs the completion (copy-out) once, after the backend's."""
@@ -302,7 +317,7 @@ class Comm:
             finish = (lambda: t.mul_(post_scale)) if post_scale != 1.0 else None
         else:
             finish = (lambda: t.div_(self.world_size)) if average else None
-        call = lambda: dist.all_reduce(t, red, async_op=True)  # noqa: E731
+        call = lambda: dist.all_reduce(require_backed(t, "all_reduce", where), red, async_op=True)  # noqa: E731
         if unit is None:
             return self._run("all_reduce", where, call, finish, async_op)
         return self._agreed("all_reduce", where, unit, t.numel() * t.element_size(), call, finish,
@@ -331,7 +346,8 @@ class Comm:
             return self._exchange_reduce(out, rows, scale, where, async_op, unit, nbytes)
         flat = full if full.dim() == 1 else rows.contiguous().view(-1)
         return self._agreed("reduce_scatter", where, unit, nbytes,
-                            lambda: dist.reduce_scatter_tensor(out, flat, async_op=True),
+                            lambda: dist.reduce_scatter_tensor(out, require_backed(flat, "reduce_scatter", where),
+                                                               async_op=True),
                             (lambda: out.mul_(scale)) if scale != 1.0 else None, async_op)
 
     def all_gather(self, full: torch.Tensor, where: str, *, async_op: bool = False,
@@ -343,6 +359,7 @@ class Comm:
         rows = full.view(self.world_size, n)
         if self.backend == "gloo":
             def exchange() -> _Works:
+                require_backed(full, "all_gather", where)
                 works = []
                 for peer in self._peers():
                     works.append(dist.isend(rows[self.rank], peer))
@@ -350,7 +367,8 @@ class Comm:
                 return _Works(works)
         else:
             def exchange() -> object:
-                return dist.all_gather_into_tensor(full, rows[self.rank], async_op=True)
+                return dist.all_gather_into_tensor(require_backed(full, "all_gather", where),
+                                                   rows[self.rank], async_op=True)
         return self._agreed("all_gather", where, unit, full.numel() * full.element_size(),
                             exchange, None, async_op)
 
@@ -366,6 +384,7 @@ class Comm:
         received = torch.empty((self.world_size, rows.shape[1]), dtype=rows.dtype, device=rows.device)
 
         def exchange() -> _Works:
+            require_backed(rows, "reduce_scatter", where)
             works = []
             for peer in self._peers():
                 works.append(dist.isend(rows[peer], peer))
@@ -382,7 +401,8 @@ class Comm:
 
     def broadcast_(self, t: torch.Tensor, src: int, where: str) -> None:
         if self.world_size > 1:
-            self._run("broadcast", where, lambda: dist.broadcast(t, src, async_op=True), None, False)
+            self._run("broadcast", where, lambda: dist.broadcast(require_backed(t, "broadcast", where), src,
+                                                                 async_op=True), None, False)
 
     def max_flag(self, value: float, where: str) -> float:
         if self.world_size == 1:

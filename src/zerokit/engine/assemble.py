@@ -34,7 +34,7 @@ from zerokit.tiers.host_release import release_free_host_memory
 from zerokit.tier_names import TierName
 from zerokit.tiers.nvme import NvmeTier
 from zerokit.logs import configure_logging
-from zerokit.zero import adopt_constructed, constructed_host_bytes, retire_constructed
+from zerokit.zero import adopt_constructed, constructed_host_bytes, retire_constructed, retire_laid_out
 
 
 def initialize(model: nn.Module, optimizer: Any = None,
@@ -91,17 +91,20 @@ def initialize(model: nn.Module, optimizer: Any = None,
     nvme = NvmeTier(ledger, on_nvme[0], rank=comm.rank, config=cfg.aio.engine_config(),
                     weights_directory=on_nvme[-1]) if on_nvme else None
     units = []
+    gathered: list[Unit] = []  # construction units gathered for a unit, some parameters not yet laid out
     for (name, module, group, trainable, params), layout in zip(groups, layouts):
         # Weights built under zero.Init are sharded per module: gather them (one unit's worth)
-        # to lay them out as this unit, then free the construction shards.
-        constructed = adopt_constructed(model, [p for _, p in params])
+        # to lay them out as this unit, then free the construction shards once every parameter
+        # they hold is laid out (a module's weight and bias may go to units of two optimizer
+        # groups: freeing at the first left the bias a view of freed memory, which the second
+        # unit's broadcast sent: gloo's "writev: Bad address").
+        gathered += [u for u in adopt_constructed(model, [p for _, p in params]) if u not in gathered]
         units.append(Unit(name, params, module=module, trainable=trainable, group_index=group,
                           comm=comm, policy=policy, compute_dtype=dtype,
                           reduce_dtype=reduce_dtype(cfg),
                           bucket_numel=cfg.zero_optimization.reduce_bucket_size, ledger=ledger,
                           grad_accum_steps=batch[2], layout=layout, nvme=nvme))
-        for u in constructed:
-            u.retire()
+        gathered = retire_laid_out(gathered)
     retire_constructed(model)
     leaf_params = leaf_parameter_ids(model)
     for index, unit in enumerate(units):

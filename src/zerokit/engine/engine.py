@@ -28,6 +28,7 @@ from zerokit.parts.executors import HostExecutor
 from zerokit.states import EngineFailedError, TrainingState, move
 from zerokit.engine.health import LossWatch, describe_position, handle_nonfinite, reduce_step_scalars
 from zerokit.engine.precision import LossScaler, cast_inputs_half
+from zerokit.engine.offload_states import OffloadStatesAPI
 from zerokit.engine.preemption import Preemption
 from zerokit.engine.throughput import ThroughputTimer
 from zerokit.policy import PartitionPolicy
@@ -39,7 +40,7 @@ from zerokit.tier_names import TierName
 log = logging.getLogger("zerokit")
 
 
-class Engine(DeepSpeedEngineAPI, nn.Module):
+class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, nn.Module):
     def __init__(self, module: nn.Module, config: ZeroKitConfig, comm: Comm, policy: PartitionPolicy,
                  units: list[Unit], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                  ledger: Ledger, batch: tuple[int, int, int], executors: list):
@@ -171,6 +172,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_states_loaded("forward")
         self.tput_timer.start()
         t0 = time.perf_counter()
         if self.config.fp16.auto_cast:
@@ -193,6 +195,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                  ) -> torch.Tensor:
         """Backpropagate loss / gradient_accumulation_steps (times the fp16 loss scale).
         scale_wrt_gas=False: the caller already divided the loss (the HF Trainer does)."""
+        self._require_states_loaded("backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor (got "
                              f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''})")
@@ -255,6 +258,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         When it returns, every parameter the user can reach holds the new weights (see
         [Note: weights in flight]), unless zero_optimization.async_weight_publish is set.
         """
+        self._require_states_loaded("step")
         if self.training_state is TrainingState.FAILED:
             raise EngineFailedError(self._failure)
         boundary = self.is_gradient_accumulation_boundary()
@@ -488,6 +492,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         Returns True, as DeepSpeed does."""
         from zerokit.checkpoint import save_checkpoint
 
+        self._require_states_loaded("save_checkpoint")
         if self.training_state is TrainingState.FAILED:  # its state may be torn: never save it
             raise EngineFailedError(self._failure)
         save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
@@ -498,6 +503,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                         load_module_only: bool = False):
         from zerokit.checkpoint import load_checkpoint
 
+        self._require_states_loaded("load_checkpoint")
         loaded = load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                  load_optimizer_states=load_optimizer_states,
                                  load_lr_scheduler_states=load_lr_scheduler_states,

@@ -62,6 +62,24 @@ class Ledger:
         tier, kind, nbytes = self._held.pop(name)
         self._current[(tier, kind)] -= nbytes
 
+    def relocate(self, source: str, dest: str) -> Callable[[], None]:
+        """Count everything `source` holds on `dest` (engine.offload_states moved those bytes);
+        returns the function that counts them back. Transient counts move too: nothing may
+        release one in between (the engine refuses to train while its states are offloaded)."""
+        moved = {kind: n for (tier, kind), n in self._current.items() if tier == source and n}
+        names = [name for name, (tier, _, _) in self._held.items() if tier == source]
+
+        def shift(a: str, b: str) -> None:
+            for kind, n in moved.items():
+                self._current[(a, kind)] -= n
+                self._add((b, kind), n)
+            for name in names:
+                if name in self._held:
+                    _, kind, n = self._held[name]
+                    self._held[name] = (b, kind, n)
+        shift(source, dest)
+        return lambda: shift(dest, source)
+
     def transient(self, kind: str, t: torch.Tensor, tier: str | None = None) -> Callable[[], None]:
         """Count a short-lived buffer (tracked in the peak); call the returned function to free it."""
         key = (self._tier(t, tier), kind)

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from zerokit.comm.collectives import Comm, Handle
+from zerokit.comm.collectives import Comm, Handle, require_backed
 from zerokit.policy.layout import ALIGN, UnitLayout, plan_layout
 from zerokit.units.lease import ReadLease
 from zerokit.parts.device import DevicePart
@@ -254,6 +254,9 @@ class Unit:
         for s in self.slots:
             a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
             if a < b:
+                # A parameter left viewing freed memory (see comm.collectives.require_backed)
+                # would be read as whatever lies there now: refuse it.
+                require_backed(s.param.detach(), "laying out", f"{self.name} ({s.fqn})")
                 src = s.param.detach().reshape(-1)[a - s.offset:b - s.offset]
                 dest[a - lo:b - lo].copy_(src)
 
@@ -527,6 +530,7 @@ class Unit:
         adopted unit is retired again with the model's orphans)."""
         if self._retired:
             return
+        self.wait_weights()  # a gather in flight still writes into `flat`: never free under it
         self._retired = True
         for s in self.slots:
             if unit_of(s.param) is self:
