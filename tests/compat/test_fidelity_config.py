@@ -58,8 +58,8 @@ out["rng"] = [float(torch.rand(1)), float(np.random.rand()), random.random()]
 out["load_path_dir"] = os.path.relpath(os.path.dirname(path), workdir)
 out["load_path_is_file"] = os.path.isfile(path)
 out["client_keys"] = sorted(client)
-out["client"] = {k: client[k] for k in ("mine", "global_samples")}
-out["param_shapes"] = [{k: list(v) for k, v in g.items()} for g in client["param_shapes"]]
+out["client"] = {k: client.get(k) for k in ("mine", "global_samples")}
+out["param_shapes"] = [{k: list(v) for k, v in g.items()} for g in client.get("param_shapes", [])]
 out["after_load"] = [e2.micro_steps, e2.global_steps, e2.global_samples]
 
 # A step whose gradient is not finite (bf16): skipped, and reported as skipped.
