@@ -380,7 +380,10 @@ class ZeroKitConfig(_Section):
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = BF16Config()
-    gradient_clipping: float = Field(0.0, ge=0, description="Max global gradient norm; 0 disables.")
+    gradient_clipping: float = Field(
+        0.0, ge=0, description="Max global gradient norm; 0 disables. Left out: 1.0 (DeepSpeed's "
+                               "default) through deepspeed.initialize, 0 through zerokit.initialize "
+                               "and zerokit train (config/deepspeed_defaults.py).")
     zero_optimization: ZeroConfig = ZeroConfig()
     aio: AioSection = AioSection()
     checkpoint: CheckpointConfig = CheckpointConfig()
