@@ -194,6 +194,13 @@ def timestamp() -> str:
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
+def results_dir(*sub: str) -> Path:
+    """benchmarks/results (or a folder under it), created if missing: a fresh clone has none."""
+    path = RESULTS_DIR.joinpath(*sub)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def write_json(name: str, payload: dict[str, Any], out: str | os.PathLike | None = None) -> Path:
     """Write `payload` to `out`, or to benchmarks/results/<name>-<timestamp>.json and also to
     benchmarks/results/<name>-latest.json. Returns the timestamped (or given) path."""
@@ -202,8 +209,7 @@ def write_json(name: str, payload: dict[str, Any], out: str | os.PathLike | None
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
         return path
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}-{timestamp()}.json"
+    path = results_dir() / f"{name}-{timestamp()}.json"
     text = json.dumps(payload, indent=2, sort_keys=False) + "\n"
     path.write_text(text)
     (RESULTS_DIR / f"{name}-latest.json").write_text(text)

@@ -237,8 +237,7 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; rows: {', '.join(ROWS)}")
-    log_dir = C.RESULTS_DIR / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = C.results_dir("logs")
     results = []
     for name in names:
         print(f"running {name} ...", flush=True)

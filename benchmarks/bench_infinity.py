@@ -393,8 +393,7 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
     cmd += ["--weights-in-ram"] if ROWS[name][1] == "weights" else []
     cmd += ["--delayed"] if name.endswith("-dpu") else []
     env = {**os.environ, **WORKER_ENV, "MASTER_PORT": str(29700 + len(name))}
-    log = C.RESULTS_DIR / "logs" / f"bench_infinity-{name}-{model}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    log = C.results_dir("logs") / f"bench_infinity-{name}-{model}.log"
     disk_peak = [0]
     t0 = C.now()
     try:
@@ -467,7 +466,8 @@ def main(argv=None) -> int:
     for r in rows:
         if r not in ROWS:
             raise SystemExit(f"--rows: unknown {r!r}; choose from {', '.join(ROWS)}")
-    parent = Path(args.nvme_dir or tempfile.mkdtemp(prefix="zk-bench-infinity-", dir=C.REPO_ROOT / "benchmarks" / "results"))
+    # results_dir() creates benchmarks/results: mkdtemp does not create its parent (a fresh clone)
+    parent = Path(args.nvme_dir or tempfile.mkdtemp(prefix="zk-bench-infinity-", dir=C.results_dir()))
     parent.mkdir(parents=True, exist_ok=True)
     machine = C.machine_info()
     print(f"bench_infinity: models {models}, rows {rows}; stage 3, params + optimizer on NVMe, bf16, AdamW, "

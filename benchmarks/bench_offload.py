@@ -264,8 +264,7 @@ def main(argv=None) -> int:
     print(f"bench_offload: {len(names)} rows, {args.nproc} gloo ranks x 1 thread, GPT {args.layers}x"
           f"{args.width} seq {args.seq} mb {args.micro_batch}, {args.warmup} warm-up + {args.steps} "
           f"timed steps; {machine['cpu_model']}, {machine['cpu_count']} cpus", flush=True)
-    log_dir = C.RESULTS_DIR / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = C.results_dir("logs")
     results = {}
     for name in names:
         r = S.run_row(name, args, log_dir)

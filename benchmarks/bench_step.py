@@ -498,8 +498,7 @@ def main(argv=None) -> int:
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} cpus, torch {machine['torch']}, "
           f"deepspeed {machine.get('deepspeed')}", flush=True)
-    log_dir = C.RESULTS_DIR / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = C.results_dir("logs")
     results: dict[str, dict] = {}
     for name in names:
         r = run_row(name, args, log_dir)

@@ -4,7 +4,7 @@ OPT built from its config under HfDeepSpeedConfig (so under zero.Init at ZeRO-3)
 resize_token_embeddings, a client DeepSpeedCPUAdam over DeepSpeed-Chat's two weight-decay groups,
 transformers' cosine schedule, an evaluation pass (perplexity, all-reduced) before training,
 training with engine.backward / engine.step, and DeepSpeed-Chat's ZeRO-3 save (each parameter
-gathered). The body of a _fidelity_runner run: SPEC (json in the environment) picks the stage,
+gathered). The body of a _runtime_runner run: SPEC (json in the environment) picks the stage,
 offload, overlap_comm and steps.
 """
 import json

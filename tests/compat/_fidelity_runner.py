@@ -1,100 +1,82 @@
-"""Run one script body under the real DeepSpeed or under zerokit (answering `import deepspeed`
-through its compatibility distribution), at world 1 or 2, and return what rank 0 printed.
+"""Run one script body through the real DeepSpeed or through zerokit's `import deepspeed`.
 
-The body is plain Python that imports `deepspeed` itself and ends by calling `emit(obj)` with a
-JSON-able result; `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `OUT` (a fresh directory
-shared by the ranks) are in the environment, as torchrun would set them. Each run is a fresh
-set of subprocesses: nothing is shared between the two implementations.
+    results = run_script(body, "deepspeed" | "zerokit", tmp_path, world=1 | 2)  # one dict per rank
+
+Each rank is a fresh interpreter. The preamble joins a gloo group through a file store (no ports)
+before the body runs, so both implementations adopt the same process group, and gives the body
+`rank`, `world`, `workdir` (a directory shared by the ranks of one run) and `emit(dict)`; the
+last dict a rank emits is its result. zerokit's run puts compat/deepspeed/src (the distribution
+that makes `import deepspeed` mean zerokit) and this tree's src first on the path; DeepSpeed's
+run has neither, with DS_ACCELERATOR=cpu. Nothing is shared between the two runs.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
-PRELUDE = textwrap.dedent('''
-    import json as _json, os as _os
-
-    def emit(obj):
-        if int(_os.environ.get("RANK", "0")) == 0:
-            print("RESULT " + _json.dumps(obj), flush=True)
-''')
-
-
-def install_compat(target: str) -> str:
-    """compat/deepspeed installed into `target` (no network, no build isolation): on a
-    subprocess's path first, `import deepspeed` and its package metadata are zerokit's."""
-    src = os.path.join(target, "_src", "deepspeed")
-    shutil.copytree(os.path.join(REPO, "compat", "deepspeed"), src)  # the build writes beside it
-    site = os.path.join(target, "site")
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                          "--no-build-isolation", "--target", site, src],
-                         capture_output=True, text=True, timeout=300)
-    if out.returncode != 0:
-        raise RuntimeError(out.stdout + out.stderr)
-    return site
+PREAMBLE = '''
+import json, os, sys, datetime
+import torch, torch.distributed as dist
+rank, world, workdir = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["FIDELITY_DIR"]
+dist.init_process_group("gloo", init_method="file://" + os.path.join(workdir, "store"), rank=rank,
+                        world_size=world, timeout=datetime.timedelta(seconds=120))
+torch.set_num_threads(1)
+import deepspeed
+def emit(result):
+    print("RESULT " + json.dumps({"impl": deepspeed.__version__, **result}), flush=True)
+'''
 
 
-def real_deepspeed_available() -> bool:
-    """True when `import deepspeed` in this environment is DeepSpeed itself (the `bench` extra)."""
+def real_deepspeed() -> None:
+    """Skip unless the real DeepSpeed (the `bench` extra) is importable in this environment."""
     try:
-        import importlib.metadata as md
-        return "zerokit" not in md.version("deepspeed")
-    except Exception:
-        return False
+        import deepspeed
+    except ImportError:
+        pytest.skip("the comparison needs the real DeepSpeed: install zerokit's `bench` extra "
+                    "(deepspeed==0.19.8)")
+    if "zerokit" in deepspeed.__version__:
+        pytest.skip("`import deepspeed` is zerokit's compatibility layer in this environment")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(body: str, impl: str, world: int, out_dir: str, compat_site: str | None = None,
-        timeout: float = 600) -> dict:
-    """Run `body` on `world` ranks under `impl` ("deepspeed" or "zerokit", which needs
-    `compat_site` from install_compat); return rank 0's emitted JSON. A rank that fails (or
-    emits nothing) fails the call with every rank's output tail."""
+def run_script(body: str, impl: str, tmp_path, world: int = 1, timeout: float = 300) -> list[dict]:
     if impl not in ("deepspeed", "zerokit"):
-        raise ValueError(f"impl={impl!r}: expected 'deepspeed' or 'zerokit'")
-    if impl == "zerokit" and compat_site is None:
-        raise ValueError("impl='zerokit' needs compat_site (install_compat)")
-    os.makedirs(out_dir, exist_ok=True)
-    script = os.path.join(out_dir, "_script.py")
+        raise ValueError(f"impl must be 'deepspeed' or 'zerokit' (got {impl!r})")
+    workdir = os.path.join(str(tmp_path), impl)
+    os.makedirs(workdir, exist_ok=True)
+    script = os.path.join(workdir, "script.py")
     with open(script, "w") as f:
-        f.write(PRELUDE + textwrap.dedent(body))
+        f.write(PREAMBLE + textwrap.dedent(body))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DS_ACCELERATOR")}
-    path = [os.path.join(REPO, "src")]
+    env.update(WORLD_SIZE=str(world), FIDELITY_DIR=workdir, CUDA_VISIBLE_DEVICES="",
+               MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     if impl == "zerokit":
-        path.insert(0, compat_site)
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "compat", "deepspeed", "src"),
+                                             os.path.join(REPO, "src")])
     else:
         env["DS_ACCELERATOR"] = "cpu"
-    env.update(PYTHONPATH=os.pathsep.join(path), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), LOCAL_WORLD_SIZE=str(world), CUDA_VISIBLE_DEVICES="",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OUT=out_dir, OMP_NUM_THREADS="1")
-    procs = []
-    for rank in range(world):
-        renv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, script], env=renv, cwd=out_dir, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outs = []
-    for p in procs:
+    procs = [subprocess.Popen([sys.executable, script], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    results = []
+    for r, proc in enumerate(procs):
         try:
-            outs.append(p.communicate(timeout=timeout))
+            out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            outs.append(p.communicate())
-    lines = [line for line in outs[0][0].splitlines() if line.startswith("RESULT ")]
-    if any(p.returncode != 0 for p in procs) or not lines:
-        tails = "\n".join(f"--- rank {r} rc={p.returncode}\n{o[-3000:]}\n{e[-6000:]}"
-                          for r, (p, (o, e)) in enumerate(zip(procs, outs)))
-        raise AssertionError(f"{impl} run at world {world} failed:\n{tails}")
-    return json.loads(lines[-1][len("RESULT "):])
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"{impl} rank {r} did not finish within {timeout} s") from None
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, (f"{impl} rank {r} failed (exit {proc.returncode}):\n"
+                                                f"{out[-3000:]}\n{err[-6000:]}")
+        result = json.loads(lines[-1][len("RESULT "):])
+        assert ("zerokit" in result["impl"]) == (impl == "zerokit"), result["impl"]
+        results.append(result)
+    return results

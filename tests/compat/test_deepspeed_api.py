@@ -9,7 +9,6 @@ import argparse
 import importlib
 import inspect
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -162,19 +161,6 @@ def test_set_gradient_accumulation_boundary_overrides_the_count():
     engine.step()
     assert engine.global_steps == 2  # each boundary steps, whatever gradient_accumulation_steps says
     engine.destroy()
-
-
-def test_overflow_reads_the_loss_scaler():
-    from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
-    from zerokit.engine.precision import LossScaler
-
-    view = SimpleNamespace(loss_scaler=LossScaler(scale=2.0 ** 8, dynamic=True))
-    overflow = DeepSpeedEngineAPI.overflow.fget
-    assert overflow(view) is False
-    view.loss_scaler.update(True)
-    assert overflow(view) is True
-    view.loss_scaler.update(False)
-    assert overflow(view) is False
 
 
 def test_tput_timer_counts_after_warmup():

@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-import _fidelity_runner as runner
+import _runtime_runner as runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RTOL = 1e-3  # bf16 compute: the two implementations round in different orders

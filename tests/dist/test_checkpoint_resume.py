@@ -107,7 +107,8 @@ def _resume_cases(rank: int, world: int, root: str, cases: list) -> dict:
             _seed_everything(rank + 50)  # the load must restore the RNG, not the seeds
             engine, _, loader, _ = zerokit.initialize(model=tiny_gpt(1), config=_config(stage, dtype, placement),
                                                       training_data=_dataset(world))
-            path, client = engine.load_checkpoint(ckpt, tag=f"global_step{k}")
+            path, client = engine.load_checkpoint(ckpt, tag=f"global_step{k}", load_rng_states=True)
+            # load_rng_states: an exact resume redraws what the uninterrupted run drew (dropout)
             assert path == os.path.join(ckpt, f"global_step{k}")
             assert client == {"step": k, "note": [stage, dtype]}, client
             assert engine.global_steps == k and engine.micro_steps == k

@@ -43,8 +43,10 @@ def _config(offload: bool) -> dict:
     zero = {"stage": 2, "reduce_bucket_size": 2000}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    # gradient_clipping 0: the reference loop does not clip (DeepSpeed's default, which
+    # deepspeed.initialize applies to a config without the key, is 1.0).
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-            "zero_optimization": zero}
+            "gradient_clipping": 0.0, "zero_optimization": zero}
 
 
 def _script(argv: list[str], optimizer_name: str, ckpt: str, resume: bool, steps: int):

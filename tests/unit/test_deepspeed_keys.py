@@ -11,6 +11,7 @@ import os
 import pytest
 
 from zerokit.config import IGNORED, REFUSED, ConfigError, load_config
+from zerokit.config.aliases import ALIASES
 from zerokit.config.ignored import _declared
 from zerokit.config.legacy import rename_legacy
 
@@ -63,17 +64,35 @@ def _deepspeed():
     return ds
 
 
-def deepspeed_keys() -> set[str]:
-    """Dotted paths of every top-level key, and every key of zero_optimization, its offload
-    sections, fp16 and bf16, that DeepSpeed 0.19.8 reads."""
+def _config_models() -> list:
+    """(prefix, model) of DeepSpeed 0.19.8's pydantic models of the sections zerokit reads."""
     _deepspeed()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from deepspeed.runtime import config as ds_config
-    from deepspeed.runtime import constants
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
                                                        DeepSpeedZeroOffloadParamConfig)
+
+    return [("zero_optimization", DeepSpeedZeroConfig),
+            ("zero_optimization.offload_param", DeepSpeedZeroOffloadParamConfig),
+            ("zero_optimization.offload_optimizer", DeepSpeedZeroOffloadOptimizerConfig),
+            ("fp16", DeepSpeedFP16Config), ("bf16", DeepSpeedBF16Config)]
+
+
+def deepspeed_aliases() -> dict[str, str]:
+    """{field name path: alias path} of every aliased field of those models: DeepSpeed accepts
+    both spellings (populate_by_name)."""
+    return {f"{prefix}.{n}": f"{prefix}.{f.alias}" for prefix, model in _config_models()
+            for n, f in model.model_fields.items() if f.alias and f.alias != n}
+
+
+def deepspeed_keys() -> set[str]:
+    """Dotted paths of every top-level key, and every key of zero_optimization, its offload
+    sections, fp16 and bf16, that DeepSpeed 0.19.8 reads: each field by its name and by its alias."""
+    _deepspeed()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime import config as ds_config
+    from deepspeed.runtime import constants
 
     keys: set[str] = set()
     for name, value in vars(constants).items():
@@ -88,11 +107,8 @@ def deepspeed_keys() -> set[str]:
     keys.update(INLINE_SECTIONS)
     keys.update(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS)
     keys.update(f"zero_optimization.{k}" for k in ds_config._REMOVED_ZERO_CONFIG_KEYS)
-    for prefix, model in [("zero_optimization", DeepSpeedZeroConfig),
-                          ("zero_optimization.offload_param", DeepSpeedZeroOffloadParamConfig),
-                          ("zero_optimization.offload_optimizer", DeepSpeedZeroOffloadOptimizerConfig),
-                          ("fp16", DeepSpeedFP16Config), ("bf16", DeepSpeedBF16Config)]:
-        keys.update(f"{prefix}.{f.alias or n}" for n, f in model.model_fields.items())
+    for prefix, model in _config_models():
+        keys.update(f"{prefix}.{k}" for n, f in model.model_fields.items() for k in {n, f.alias or n})
     return keys
 
 
@@ -110,7 +126,8 @@ def _legacy_target(path: str) -> str | None:
 
 def classify(path: str) -> list[str]:
     """Every class the key falls in; exactly one is the contract. A key inside an ignored or
-    refused section is that section's."""
+    refused section is that section's; a field's name is classified as its alias."""
+    path = ALIASES.get(path, path)
     parts = path.split(".")
     found = []
     if path in IGNORED or any(".".join(parts[:n]) in IGNORED for n in range(1, len(parts))):
@@ -141,6 +158,39 @@ def test_the_docs_table_lists_every_deepspeed_key() -> None:
                                  for n in range(1, k.count(".") + 1)
                                  if ".".join(k.split(".")[:n]) in {**IGNORED, **REFUSED}))
     assert not missing, f"docs/deepspeed.md's config table lacks: {missing}"
+
+
+def test_aliases_are_deepspeeds() -> None:
+    """zerokit reads as one key exactly the spellings DeepSpeed's models read as one."""
+    aliases = deepspeed_aliases()
+    assert len(aliases) >= 9, f"too few aliased DeepSpeed fields ({aliases}): the walk broke"
+    assert ALIASES == aliases
+
+
+@pytest.mark.parametrize("name", sorted(ALIASES))
+def test_both_spellings_of_an_aliased_key_load_alike(name) -> None:
+    """The HF Trainer + Accelerate write `gather_16bit_weights_on_model_save`: each field name
+    loads as its alias, with the same value, reported under one name where ignored."""
+    from zerokit.config import ignored_settings
+
+    alias = ALIASES[name]
+    value = {"zero_optimization.gather_16bit_weights_on_model_save": True,
+             "zero_optimization.use_all_reduce_for_fetch_params": True,
+             "zero_optimization.allgather_sequential": True}.get(name, 12345)
+    loaded = []
+    for key in (name, alias):
+        cfg = load_config({**BASE, "zero_optimization": {"stage": 3, key.split(".")[1]: value}})
+        loaded.append((cfg.zero_optimization.model_dump(), ignored_settings(cfg)))
+    assert loaded[0] == loaded[1]
+    if _declared(tuple(alias.split("."))):
+        assert getattr(load_config({**BASE, "zero_optimization": {name.split(".")[1]: value}})
+                       .zero_optimization, alias.split(".")[1]) == value
+
+
+def test_two_spellings_with_different_values_are_refused() -> None:
+    with pytest.raises(ConfigError, match="two spellings of one key"):
+        load_config({**BASE, "zero_optimization": {"prefetch_bucket_size": 1,
+                                                   "stage3_prefetch_bucket_size": 2}})
 
 
 def test_every_table_entry_is_a_deepspeed_key() -> None:
@@ -194,6 +244,10 @@ def _describe(path: str) -> tuple[str, str]:
     """(zerokit's answer, why) for one DeepSpeed key, as docs/deepspeed.md shows it."""
     from zerokit.config.errors import _model_at
 
+    if path in ALIASES:
+        shown, _ = _describe(ALIASES[path])
+        return shown, (f"DeepSpeed's field name for `{ALIASES[path]}`: the same key (DeepSpeed "
+                       f"accepts both spellings)")
     kind = classify(path)[0]
     parts = path.split(".")
     owner = next(".".join(parts[:n]) for n in range(len(parts), 0, -1)

@@ -143,8 +143,14 @@ class SavedTensors:
 
 def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[str | None, dict | None]:
-    """Collective. Returns (tag directory, client_state), or (None, None) if there is no `latest`."""
+                    load_module_only: bool = False, load_rng_states: bool = False
+                    ) -> tuple[str | None, dict | None]:
+    """Collective. Returns (tag directory, client_state), or (None, None) if there is no `latest`.
+
+    load_rng_states: also set this process's global torch (and CUDA), numpy and python RNG states
+    to what this rank saved, for a resume that draws what the uninterrupted run would have drawn.
+    Off by default, as DeepSpeed, which never touches them: a script that seeds and then resumes
+    must keep its own stream."""
     wait_for_checkpoint(engine)
     engine.comm.barrier("load_checkpoint (previous saves committed)")
     units = engine.checkpoint_units()
@@ -164,7 +170,7 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Any = None, load
     if not load_module_only:
         engine.restore_training_scalars(common, optimizer=load_optimizer_states,
                                         lr_scheduler=load_lr_scheduler_states)
-        _load_rank_state(engine, path)
+        _load_rank_state(engine, path, load_rng_states)
     engine.comm.barrier("load_checkpoint")
     return path, common["client_state"]
 
@@ -253,21 +259,24 @@ def _load_buffers(engine: Checkpointable, buffers: dict[str, torch.Tensor], stri
                 buf.copy_(buffers[name])
 
 
-def _load_rank_state(engine: Checkpointable, path: str) -> None:
-    """This rank's RNG states and data-loader position."""
+def _load_rank_state(engine: Checkpointable, path: str, rng_states: bool) -> None:
+    """This rank's data-loader position, and its RNG states where asked."""
     rank_path = os.path.join(path, rank_file(engine.comm.rank))
-    if os.path.exists(rank_path):
-        rank_state = torch.load(rank_path, map_location="cpu", weights_only=False)
+    saved_here = os.path.exists(rank_path)
+    if not saved_here:  # more ranks than were saved: the data position is global, the RNG
+        # streams are not
+        rank_path = os.path.join(path, rank_file(0))
+        if rng_states:
+            log.warning("%s has no RNG state for rank %d (saved by fewer ranks): its RNG is not "
+                        "restored", path, engine.comm.rank)
+    rank_state = torch.load(rank_path, map_location="cpu", weights_only=False)
+    if saved_here and rng_states:
         rng = rank_state["rng"]
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    else:  # more ranks than were saved: the data position is global, the RNG streams are not
-        log.warning("%s has no RNG state for rank %d (saved by fewer ranks): its RNG is not restored",
-                    path, engine.comm.rank)
-        rank_state = torch.load(os.path.join(path, rank_file(0)), map_location="cpu", weights_only=False)
     sampler = _sampler(engine)
     if sampler is not None and rank_state["dataloader"] is not None:
         sampler.load_state_dict(rank_state["dataloader"])

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from zerokit.config.aliases import read_aliases
 from zerokit.config.auto import resolve_auto, split_auto
 from zerokit.config.errors import ConfigError, describe
 from zerokit.config.ignored import IGNORED, Ignored, ignored_settings, strip_undeclared
@@ -38,7 +39,7 @@ def load_config(config: "ZeroKitConfig | dict[str, Any] | str | os.PathLike | No
     if not isinstance(config, dict):
         raise ConfigError(
             f"config must be a dict, a JSON path or a ZeroKitConfig (got {type(config).__name__})")
-    config, renamed = rename_legacy(config)
+    config, renamed = rename_legacy(read_aliases(config))
     # An "auto" zerokit cannot resolve fails at initialize (resolve_auto), not here: zero.Init
     # reads the HF Trainer's config before the Trainer has filled every "auto" (the scheduler's).
     config, autos, unresolved = split_auto(config)

@@ -136,6 +136,12 @@ class FP16Config(_Section):
     consecutive_hysteresis: bool = False
     min_loss_scale: float = Field(1.0, gt=0)
     auto_cast: bool = False
+    raise_error_at_min_scale: bool = Field(
+        True, description="zerokit (DeepSpeed's DynamicLossScaler argument, which its config does "
+                          "not expose; true there): an overflow with the dynamic loss scale "
+                          "already at min_loss_scale raises LossScaleAtMinimumError ('Current loss "
+                          "scale already at minimum - cannot decrease scale anymore'); false skips "
+                          "such steps, every one of them, for as long as gradients overflow.")
 
 
 class BF16Config(_Section):
@@ -316,6 +322,12 @@ class CheckpointConfig(_Section):
     async_save: bool = Field(
         False, description="zerokit: save_checkpoint copies the shards to host memory and returns; "
                            "a background thread writes and commits (the next save or load waits).")
+    load_rng_states: bool = Field(
+        False, description="zerokit: load_checkpoint also sets the process's global torch (and "
+                           "CUDA), numpy and python RNG states to what each rank saved, so a "
+                           "resume draws what the uninterrupted run would have (dropout masks, "
+                           "shuffles); load_checkpoint(load_rng_states=) overrides it for one "
+                           "call. Off by default, as DeepSpeed, which never touches them.")
 
 
 class PreemptionConfig(_Section):
@@ -368,7 +380,10 @@ class ZeroKitConfig(_Section):
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = BF16Config()
-    gradient_clipping: float = Field(0.0, ge=0, description="Max global gradient norm; 0 disables.")
+    gradient_clipping: float = Field(
+        0.0, ge=0, description="Max global gradient norm; 0 disables. Left out: 1.0 (DeepSpeed's "
+                               "default) through deepspeed.initialize, 0 through zerokit.initialize "
+                               "and zerokit train (config/deepspeed_defaults.py).")
     zero_optimization: ZeroConfig = ZeroConfig()
     aio: AioSection = AioSection()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -110,12 +110,47 @@ class DeepSpeedEngineAPI:
 
     @property
     def overflow(self) -> bool:
-        """The last optimizer step was skipped because the fp16 gradients overflowed."""
-        s = self.loss_scaler
-        return s.dynamic and s.cur_iter > 0 and s.last_overflow_iter == s.cur_iter - 1
+        """The last boundary's update was skipped: its gradients overflowed (fp16, static or
+        dynamic loss scale) or were not finite (nonfinite 'skip'). Accelerate's
+        step_was_skipped reads it through the optimizer."""
+        return self._last_step_skipped
 
     def was_step_applied(self) -> bool:
-        return not self.overflow
+        """As DeepSpeed: True only if the last step() call updated the weights (False after a
+        step() inside an accumulation window, and after a skipped update)."""
+        return self._step_applied
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def deepspeed_load_result(self, path: str, client: dict) -> tuple[str, dict]:
+        """load_checkpoint's answer under DeepSpeed's API. The first value is a file in the tag
+        directory, as DeepSpeed's (`<tag>/mp_rank_00_model_states.pt`): zerokit's counterpart,
+        the file with the counters, buffers and client state (`<tag>/common.pt`). The client
+        state carries, beside the caller's keys, the keys DeepSpeed's adds from its own model
+        states file (ds_config, ds_version, global_samples, param_shapes, buffer_names, ...);
+        the caller's keys win where they share a name, as in DeepSpeed's saved dict."""
+        from collections import OrderedDict
+
+        from zerokit.checkpoint.metadata import COMMON
+        from zerokit.checkpoint.save import persistent_buffers
+        from zerokit.compat.deepspeed.version import __version__
+
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        shapes = [OrderedDict((s.fqn, torch.Size(s.shape)) for s in self._slots_of(group))
+                  for group in self.optimizer.param_groups]
+        tied = {n: names[id(p)] for n, p in self.module.named_parameters(remove_duplicate=False)
+                if names[id(p)] != n}
+        ours = {"buffer_names": [n for n, _ in persistent_buffers(self.module)],
+                "param_shapes": shapes, "frozen_param_shapes": None, "shared_params": tied,
+                "frozen_param_fragments": None, "global_samples": self.global_samples,
+                "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+                "ds_config": dict(self.config), "ds_version": __version__}
+        return os.path.join(path, COMMON), {**ours, **client}
+
+    def _slots_of(self, group: dict) -> list:
+        """The user's parameters (unit slots) behind one of the optimizer's param groups, which
+        steps the units' fp32 masters."""
+        masters = {id(p) for p in group["params"]}
+        return [s for u in self.units if id(u.master) in masters for s in u.slots]
 
     # ---- consolidated weights -----------------------------------------------------------------
     def zero_gather_16bit_weights_on_model_save(self) -> bool:

@@ -27,7 +27,7 @@ from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
 from zerokit.parts.executors import HostExecutor
 from zerokit.states import EngineFailedError, TrainingState, move
 from zerokit.engine.health import LossWatch, describe_position, handle_nonfinite, reduce_step_scalars
-from zerokit.engine.precision import LossScaler, cast_inputs_half
+from zerokit.engine.precision import LossScaleAtMinimumError, LossScaler, cast_inputs_half
 from zerokit.engine.offload_states import OffloadStatesAPI
 from zerokit.engine.preemption import Preemption
 from zerokit.engine.throughput import ThroughputTimer
@@ -67,7 +67,15 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self.global_samples = 0
+        # What the last step() did, as DeepSpeed reports it: was_step_applied() (False after a
+        # step() that was not a boundary, or whose update was skipped) and overflow (the last
+        # boundary's update was skipped: fp16 overflow or a non-finite gradient, any loss scale).
+        self._step_applied = False
+        self._last_step_skipped = False
         self.training_dataloader = None  # set by initialize(training_data=...)
+        # deepspeed.initialize sets it: the few answers whose shape differs between zerokit's API
+        # and DeepSpeed's follow DeepSpeed's (load_checkpoint's; see deepspeed_api.py).
+        self.deepspeed_api = False
         # An asynchronous save reads the state in place until it releases this (units/lease.py);
         # the units share it, so an edit through GatheredParameters waits for it too.
         self.save_lease = ReadLease()
@@ -193,8 +201,9 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
                  ) -> torch.Tensor:
-        """Backpropagate loss / gradient_accumulation_steps (times the fp16 loss scale).
-        scale_wrt_gas=False: the caller already divided the loss (the HF Trainer does)."""
+        """Backpropagate loss / gradient_accumulation_steps (times the fp16 loss scale) and
+        return loss / gradient_accumulation_steps, as DeepSpeed. scale_wrt_gas=False: the caller
+        already divided the loss (the HF Trainer does); loss is backpropagated and returned as is."""
         self._require_states_loaded("backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor (got "
@@ -221,7 +230,9 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, nn.Module):
             unit.end_backward()
         self.scheduler.end_backward()
         self._timers["backward"] += time.perf_counter() - t0
-        return loss
+        # As DeepSpeed: the loss as scaled for accumulation (what a loop logs, summed over the
+        # window, is the window's mean), never the fp16 loss scale.
+        return loss / self._gradient_accumulation_steps if scale_wrt_gas else loss
 
     def _on_grad(self, unit: Unit, index: int, param: nn.Parameter) -> None:
         if unit.on_grad_ready(param, index, self._reduce_now):
@@ -266,7 +277,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, nn.Module):
             self._move(TrainingState.STEP)
         try:
             self.micro_steps += 1
-            self.global_samples += self._micro_batch_size * self.comm.world_size
+            self._step_applied = False
             self.tput_timer.stop(global_step=boundary)
             if not boundary:
                 return
@@ -292,8 +303,16 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, nn.Module):
         except BaseException as error:
             self._abandon_step(trainable, error)
             raise
-        self.loss_scaler.update(overflow)
+        self._step_applied, self._last_step_skipped = not overflow, overflow
+        try:
+            self.loss_scaler.update(overflow)  # raises at fp16's min_loss_scale (precision.py)
+        except LossScaleAtMinimumError:
+            self._clear_grads()
+            raise
         self.global_steps += 1
+        # DeepSpeed's count: a whole batch per boundary, however the caller drove the micro-steps
+        # (Accelerate calls step() only at the boundary it set).
+        self.global_samples += self._train_batch_size
         self._clear_grads()  # while the new weights are gathered
         if not self.config.zero_optimization.async_weight_publish:
             self.wait_for_weights()
@@ -500,16 +519,26 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
+                        load_module_only: bool = False, load_rng_states: bool | None = None):
+        """(tag directory, client_state), or (None, None) without a `latest`. Under DeepSpeed's
+        API (deepspeed_api) what DeepSpeed's returns: see deepspeed_api.deepspeed_load_result.
+        load_rng_states: None reads checkpoint.load_rng_states (default false: the process's
+        RNG states are left alone, as DeepSpeed leaves them)."""
         from zerokit.checkpoint import load_checkpoint
 
         self._require_states_loaded("load_checkpoint")
-        loaded = load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
-                                 load_optimizer_states=load_optimizer_states,
-                                 load_lr_scheduler_states=load_lr_scheduler_states,
-                                 load_module_only=load_module_only)
+        if load_rng_states is None:
+            load_rng_states = self.config.checkpoint.load_rng_states
+        micro_steps = self.micro_steps
+        path, client = load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                       load_optimizer_states=load_optimizer_states,
+                                       load_lr_scheduler_states=load_lr_scheduler_states,
+                                       load_module_only=load_module_only, load_rng_states=load_rng_states)
         release_free_host_memory("load_checkpoint")  # the files' pieces read on the way
-        return loaded
+        if self.deepspeed_api and path is not None:
+            self.micro_steps = micro_steps  # DeepSpeed's load leaves it (0 in a fresh engine)
+            return self.deepspeed_load_result(path, client)
+        return path, client
 
     # ---- what a checkpoint sees: [Note: checkpoint interface] (checkpoint/interface.py) ---------
     def checkpoint_units(self) -> list[UnitRecord]:

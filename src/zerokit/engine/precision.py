@@ -4,7 +4,9 @@ With fp16, static or dynamic scale alike, a step whose gradients overflowed is s
 rank (DeepSpeed's FP16 and ZeRO optimizers check either way). Dynamic loss scaling follows
 DeepSpeed's DynamicLossScaler exactly: the scale is divided by 2 once `hysteresis` overflows have
 been absorbed (never below min_loss_scale); after `loss_scale_window` iterations without overflow
-it doubles.
+it doubles. An overflow that would lower a scale already at min_loss_scale raises
+LossScaleAtMinimumError with DeepSpeed's message (fp16.raise_error_at_min_scale, default true, as
+DeepSpeed's DynamicLossScaler(raise_error_at_min_scale=True)); false skips such steps instead.
 """
 from __future__ import annotations
 
@@ -44,6 +46,14 @@ def reduce_dtype(config: ZeroKitConfig) -> torch.dtype:
     return torch.float16 if config.fp16.enabled else torch.float32
 
 
+class LossScaleAtMinimumError(Exception):
+    """fp16 gradients overflowed with the loss scale already at min_loss_scale: training cannot
+    go on (DeepSpeed raises a bare Exception with the same message)."""
+
+
+AT_MINIMUM = "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
+
+
 @dataclass
 class LossScaler:
     scale: float = 1.0
@@ -57,6 +67,7 @@ class LossScaler:
     last_overflow_iter: int = -1
     cur_hysteresis: int = 2
     checks_overflow: bool = False  # fp16, static or dynamic scale: a non-finite gradient skips the step
+    raise_at_min: bool = True  # fp16.raise_error_at_min_scale
 
     @classmethod
     def from_config(cls, config: ZeroKitConfig) -> "LossScaler":
@@ -68,13 +79,16 @@ class LossScaler:
         return cls(scale=float(2 ** fp16.initial_scale_power), dynamic=True, checks_overflow=True,
                    window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
                    consecutive_hysteresis=fp16.consecutive_hysteresis,
-                   min_scale=fp16.min_loss_scale, cur_hysteresis=fp16.hysteresis)
+                   min_scale=fp16.min_loss_scale, cur_hysteresis=fp16.hysteresis,
+                   raise_at_min=fp16.raise_error_at_min_scale)
 
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return
         if overflow:
             if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                if self.scale == self.min_scale and self.raise_at_min:
+                    raise LossScaleAtMinimumError(AT_MINIMUM)
                 self.scale = max(self.scale / self.factor, self.min_scale)
             else:
                 self.cur_hysteresis -= 1

@@ -21,21 +21,37 @@ moments and may share the path from different hosts.
 `release()` removes the directory, then the lock, then lets go of it, and removes the shared
 `zerokit-swap` once it is empty; a claim being made there meanwhile retries (the parent
 vanished between its steps).
+
+A claim still held when the interpreter exits normally (a script that never calls
+engine.destroy(), the common case) is released then, by one atexit handler over the live
+claims: the swap files are scratch, never needed by a later run (checkpoints copy what they
+hold), and the docs promise they go. A killed process leaves them to the next claim's clean-up.
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import logging
 import os
 import secrets
 import shutil
+import weakref
 
 from zerokit.io.aio import warn_once
 
 SWAP_DIR = "zerokit-swap"
 _LOCK = ".lock"
 _CLAIM = ".claim"
+
+
+_LIVE: "weakref.WeakSet[SwapDirectory]" = weakref.WeakSet()  # claims not yet released
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    for claim in list(_LIVE):
+        claim.release()
 
 
 class SwapDirectory:
@@ -53,6 +69,7 @@ class SwapDirectory:
         self.name, self._fd = self._claim()
         self.path = os.path.join(self.parent, self.name)
         self.lock_path = self.path + _LOCK
+        _LIVE.add(self)
 
     def _make_parent(self) -> None:
         for _ in range(100):

@@ -42,6 +42,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     first joins (or, alone, forms) the process group: see comm.init_distributed. mpu and
     mesh_param (model / sequence parallelism) are not implemented.
     """
+    from zerokit.config.deepspeed_defaults import with_deepspeed_defaults
     from zerokit.engine.assemble import initialize as zerokit_initialize
     from zerokit.engine.deepspeed_api import DeepSpeedOptimizerView
 
@@ -51,13 +52,16 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         raise NotImplementedError(f"deepspeed.initialize: {'mpu' if mpu is not None else 'mesh_param'}= "
                                   f"(model or sequence parallelism) is not implemented; zerokit is data "
                                   f"parallel only")
-    config = _one_config(args, config, config_params)
+    # DeepSpeed's defaults where zerokit's differ (gradient_clipping 1.0): a script computes here
+    # what it computes under DeepSpeed (zerokit/config/deepspeed_defaults.py).
+    config = with_deepspeed_defaults(_one_config(args, config, config_params))
     # As DeepSpeed: a process group always exists after initialize (the HF Trainer then calls
     # torch.distributed directly, even at world size 1).
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     engine, opt, loader, scheduler = zerokit_initialize(
         model=model, optimizer=optimizer, model_parameters=model_parameters, config=config,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    engine.deepspeed_api = True  # load_checkpoint answers as DeepSpeed's
     return engine, DeepSpeedOptimizerView(engine, opt), loader, scheduler
 
 
