@@ -531,8 +531,7 @@ def main_compare(args) -> int:
                          f"drop {', '.join(others)}")
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
-    log_dir = C.RESULTS_DIR / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = C.results_dir("logs")
     print(f"bench_step --compare {args.compare}: {', '.join(names)} x {args.rounds} rounds, "
           f"{args.nproc} gloo ranks, GPT {args.layers}x{args.width} seq {args.seq}", flush=True)
     table, payload = compare(args.compare, names, args.rounds,

@@ -1,6 +1,8 @@
 """engine/precision.py: loss scaling follows DeepSpeed's rules, step by step."""
 from __future__ import annotations
 
+import pytest
+
 from zerokit.config import load_config
 from zerokit.engine.precision import LossScaleAtMinimumError, LossScaler
 
