@@ -19,13 +19,14 @@ from zerokit.compat.deepspeed.runtime import zero
 from zerokit.compat.deepspeed.runtime.engine import DeepSpeedEngine
 from zerokit.compat.deepspeed.utils import logger
 from zerokit.compat.deepspeed.version import DEEPSPEED_API_VERSION, __version__
+from zerokit.config import ConfigError as DeepSpeedConfigError  # what a refused config raises
 
 version = __version__
 __git_hash__ = None
 __git_branch__ = None
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
-__all__ = ["DEEPSPEED_API_VERSION", "DeepSpeedEngine", "__version__", "accelerator", "add_config_arguments",
+__all__ = ["DEEPSPEED_API_VERSION", "DeepSpeedConfigError", "DeepSpeedEngine", "__version__", "accelerator", "add_config_arguments",
            "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "init_distributed", "initialize", "logger",
            "moe", "ops", "runtime", "utils", "zero"]
 
