@@ -81,7 +81,8 @@ def test_config_surface_is_locked() -> None:
         "checkpoint", "prescale_gradients", "gradient_predivide_factor",
         "preemption", "nonfinite",  # issue #19: preemption, nonfinite
         "activation_checkpointing",  # issue #18
-        "aio"])  # issue #16: the I/O engine of offload_optimizer device 'nvme'
+        "aio",  # issue #16: the I/O engine of offload_optimizer device 'nvme'
+        "gradient_allreduce_op"])  # issue #25: DeepSpeed's 'sum'
 
 
 def test_nvme_optimizer_keys_surface() -> None:

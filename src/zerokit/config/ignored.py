@@ -130,8 +130,6 @@ IGNORED: dict[str, Ignored] = {
         ("timers", "zerokit's engine.tput_timer is always on", ()),
         ("datastates_ckpt", "zerokit's checkpoints are its own (atomic, resharding)", ()),
         ("optimizer.legacy_fusion", "a DeepSpeed fp16 optimizer flavour; zerokit has one", (False,)),
-        ("checkpoint.tag_validation", "zerokit does not compare tags across ranks; every rank "
-         "writes under the tag it is given and the commit is atomic", ()),
         ("checkpoint.use_node_local_storage", "zerokit writes every rank's files into the "
          "directory it is given, which must be shared by all nodes (the HF Trainer sets this "
          "key for save_on_each_node)", (False,)),

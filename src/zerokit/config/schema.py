@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -316,6 +316,15 @@ class CheckpointConfig(_Section):
     async_save: bool = Field(
         False, description="zerokit: save_checkpoint copies the shards to host memory and returns; "
                            "a background thread writes and commits (the next save or load waits).")
+    tag_validation: Literal["WARN", "IGNORE", "FAIL"] = Field(
+        "WARN", description="Ranks that pass different tags to save_checkpoint: 'Fail' raises on "
+                            "every rank; 'Warn' (with a warning) and 'Ignore' save under rank 0's tag "
+                            "(DeepSpeed saves each rank under its own). Any case, as DeepSpeed.")
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
 
 
 class PreemptionConfig(_Section):
@@ -395,6 +404,11 @@ class ZeroKitConfig(_Section):
     gradient_predivide_factor: float = Field(
         1.0, gt=0, description="Without prescale_gradients: divide gradients by this factor before "
                                "the reduction (sum) and by world_size / factor after it.")
+    gradient_allreduce_op: Literal["mean", "sum"] = Field(
+        "mean", description="How gradients combine over ranks: 'mean' averages them, 'sum' adds "
+                            "them (no division by the world size, prescale_gradients and "
+                            "gradient_predivide_factor unused, as DeepSpeed); 'sum' is refused at "
+                            "stage 3, as DeepSpeed.")
     wall_clock_breakdown: bool = False
     comm_timeout_s: float = Field(
         1800.0, gt=0, description="zerokit: a collective that waits longer fails, naming the step.")
@@ -425,6 +439,9 @@ class ZeroKitConfig(_Section):
             raise ValueError(f"steps_per_print must be a whole number or infinity (got {spp!r})")
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled=true and bf16.enabled=true contradict: choose one")
+        if self.gradient_allreduce_op == "sum" and self.zero_optimization.stage == 3:
+            raise ValueError("gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (as in "
+                             "DeepSpeed): use 'mean', or stage 0-2")
         off = self.zero_optimization.offload_optimizer
         if off.step_in_backward:
             # Each of these needs every gradient of the step before any part may be updated.
@@ -442,7 +459,10 @@ class ZeroKitConfig(_Section):
     def gradient_reduction_scales(self, world_size: int) -> tuple[float, float | None]:
         """(factor before, factor after) the gradients' sum over ranks, DeepSpeed's rule: by
         default 1/world_size after (None: the plain average); prescale_gradients: 1/world_size
-        before; gradient_predivide_factor f: 1/f before and f/world_size after."""
+        before; gradient_predivide_factor f: 1/f before and f/world_size after;
+        gradient_allreduce_op 'sum': the plain sum, whatever the others say."""
+        if self.gradient_allreduce_op == "sum":
+            return 1.0, 1.0
         if self.prescale_gradients:
             return 1.0 / world_size, 1.0
         f = self.gradient_predivide_factor
