@@ -74,8 +74,6 @@ IGNORED: dict[str, Ignored] = {
          "unit where its module runs", (True,)),
         ("log_trace_cache_warnings", "DeepSpeed's stage 3 trace warnings; zerokit's trace reports "
          "a changed order itself", (False,)),
-        ("enable_sanity_checks", "DeepSpeed's stage 3 self-checks; zerokit checks its rank "
-         "agreement always", (False,)),
         ("save_muon_momentum_buffer_in_memory", "for the Muon optimizer, which zerokit does not "
          "offer", (False,)),
         ("stage3_model_persistence_threshold", "zerokit bounds persistence per unit by "

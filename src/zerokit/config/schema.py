@@ -31,6 +31,8 @@ Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
 
 OptimizerType = Literal["Adam", "AdamW", "SGD", "Adagrad", "Lion"]
 SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+# DeepSpeed's own optimizer names (runtime/config.py DEEPSPEED_OPTIMIZERS), lower case -> ours.
+_DEEPSPEED_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lion": "Lion"}
 
 # Hyperparameters each optimizer type accepts (torch's names; DeepSpeed passes them through).
 OPTIMIZER_PARAMS: dict[str, set[str]] = {
@@ -105,6 +107,15 @@ def _check_param_range(where: str, key: str, value: Any) -> None:
 class OptimizerConfig(_Section):
     type: OptimizerType = Field(description="Optimizer class, DeepSpeed's names.")
     params: dict[str, Any] = Field(default_factory=dict, description="Passed to the optimizer.")
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _deepspeed_names_any_case(cls, value: Any) -> Any:
+        """DeepSpeed matches its own optimizer names in any case ("adamw", "ADAM"); other names
+        are torch.optim class names, matched exactly ("SGD"), as in DeepSpeed."""
+        if isinstance(value, str):
+            return _DEEPSPEED_OPTIMIZER_NAMES.get(value.lower(), value)
+        return value
 
     @model_validator(mode="after")
     def _known_params(self) -> "OptimizerConfig":
@@ -235,6 +246,10 @@ class ZeroConfig(_Section):
     reduce_bucket_size: Int = Field(500_000_000, gt=0, description="Elements per gradient collective.")
     allgather_bucket_size: Int = Field(500_000_000, gt=0, description="Elements per weight all-gather.")
     overlap_comm: bool = Field(True, description="Reduce gradients while backward runs.")
+    enable_sanity_checks: bool = Field(
+        False, description="Stage 3: an in-place edit of a parameter inside GatheredParameters "
+                           "without modifier_rank (which discards it) raises RuntimeError on every "
+                           "rank, as DeepSpeed. zerokit checks its collectives' rank agreement always.")
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
     stage3_prefetch_bucket_size: Int = Field(

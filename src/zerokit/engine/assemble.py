@@ -107,6 +107,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
         unit.index = index
         unit.grad_scales = cfg.gradient_reduction_scales(comm.world_size)
         unit.reduce_at_end = any(id(s.param) in leaf_params for s in unit.slots)
+        unit.sanity_checks = cfg.zero_optimization.enable_sanity_checks  # zero.GatheredParameters
     comm.unit_names = [u.name for u in units]  # divergence errors name the other rank's unit
     comm.unit_params = [u.param_fqns() for u in units]  # ... and its parameters
     # torch's optimizer steps only the device parts; the host executor steps the host parts.

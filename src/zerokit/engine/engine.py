@@ -29,7 +29,9 @@ from zerokit.states import EngineFailedError, TrainingState, move
 from zerokit.engine.health import LossWatch, describe_position, handle_nonfinite, reduce_step_scalars
 from zerokit.engine.precision import LossScaler, cast_inputs_half
 from zerokit.engine.preemption import Preemption
+from zerokit.engine.monitor import Monitor
 from zerokit.engine.throughput import ThroughputTimer
+from zerokit.engine.wall_clock import WallClockTimers
 from zerokit.policy import PartitionPolicy
 from zerokit.gather import schedule_for
 from zerokit.tiers import Ledger
@@ -59,7 +61,10 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._last_grad_norm: float | None = None  # get_global_grad_norm: the last step's
         self._abandoned_step: int | None = None  # this rank's optimizer raised at that step
         self._failure = ""  # why the engine is FAILED (see _fail)
-        self.tput_timer = ThroughputTimer(batch[0])
+        spp = config.steps_per_print  # DeepSpeed's timer logs its speed line this often
+        self.tput_timer = ThroughputTimer(batch[0], steps_per_output=spp if spp != math.inf else None)
+        self.timers = WallClockTimers()  # DeepSpeed's engine.timers, for the script's own regions
+        self.monitor = Monitor(config.ignored_raw)  # DeepSpeed's engine.monitor (engine/monitor.py)
         self.loss_scaler = LossScaler.from_config(config)
         self.global_steps = 0
         self.micro_steps = 0
@@ -261,7 +266,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self._micro_batch_size * self.comm.world_size
-        self.tput_timer.stop(global_step=boundary)
+        self.tput_timer.stop(global_step=boundary, report_speed=self.comm.rank == 0)
         if not boundary:
             return
         self._phase = "step"
