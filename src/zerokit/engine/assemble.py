@@ -274,12 +274,11 @@ def _scheduler(cfg, lr_scheduler: Any, torch_optimizer: torch.optim.Optimizer, u
 def _dataloader(training_data: Any, micro_batch: int, comm: Comm, collate_fn: Any):
     if training_data is None:
         return None
-    from torch.utils.data import DataLoader
-
     from zerokit.checkpoint.dataloader import ResumableDistributedSampler
+    from zerokit.engine.training_loader import TrainingDataLoader
 
     # Resumable: a checkpoint records the epoch and how far into it training has read. The
     # loader's own generator keeps iter(loader) from drawing on the global RNG a resume restores.
     sampler = ResumableDistributedSampler(training_data, num_replicas=comm.world_size, rank=comm.rank)
-    return DataLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=True, generator=torch.Generator())
+    return TrainingDataLoader(training_data, batch_size=micro_batch, sampler=sampler,
+                              collate_fn=collate_fn, drop_last=True, generator=torch.Generator())

@@ -87,6 +87,16 @@ class WallClockTimers:
             self.timers[name] = WallClockTimer(name)
         return self.timers[name]
 
+    @staticmethod
+    def memory_usage() -> str:
+        """DeepSpeed's memory line, from the accelerator's figures (the RSS on the CPU)."""
+        from zerokit.compat.deepspeed.accelerator import get_accelerator
+
+        acc, gib = get_accelerator(), 1024 ** 3
+        return (f" | mem_allocated: {acc.memory_allocated() / gib:.4f} GB | max_mem_allocated: "
+                f"{acc.max_memory_allocated() / gib:.4f} GB | cache_allocated: {acc.memory_reserved() / gib:.4f} "
+                f"GB | max_cache_allocated: {acc.max_memory_reserved() / gib:.4f} GB")
+
     def log(self, names, normalizer: float = 1.0, reset: bool = True, memory_breakdown: bool = False,
             ranks=None) -> None:
         """Log 'time (ms) | name: ms | ...' for the named timers that exist, on `ranks` (rank 0)."""

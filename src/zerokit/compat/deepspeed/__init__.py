@@ -59,7 +59,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     engine, opt, loader, scheduler = zerokit_initialize(
         model=model, optimizer=optimizer, model_parameters=model_parameters, config=config,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
-    return engine, DeepSpeedOptimizerView(engine, opt), loader, scheduler
+    # As DeepSpeed's, engine.optimizer is the wrapper initialize returns (cur_scale, overflow,
+    # ...), its `.optimizer` the torch optimizer; the engine's own uses go through the wrapper.
+    engine.optimizer = DeepSpeedOptimizerView(engine, opt)
+    return engine, engine.optimizer, loader, scheduler
 
 
 def _one_config(args: Any, config: Any, config_params: Any) -> Any:
