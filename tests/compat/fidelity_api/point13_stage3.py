@@ -14,8 +14,9 @@ class Net(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Linear(6, 16)
         self.b = torch.nn.Linear(16, 3)  # weight 48 elements; bias 3 (persistent in DeepSpeed)
+        self.c = torch.nn.Linear(3, 3)  # 12 elements: persistent in both (a unit of its own here)
     def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
+        return self.c(self.b(torch.relu(self.a(x))))
 
 torch.manual_seed(0)
 with deepspeed.zero.Init(config_dict_or_path=base):
