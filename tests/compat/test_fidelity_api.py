@@ -81,7 +81,8 @@ def test_zero_init_status_sanity_checks_and_empty_partition_cache() -> None:
     for d, z in zip(ds, zk):
         _same_keys(d, z, ["init_status", "init_ds_numel", "init_status_gathered", "init_numel_gathered",
                           "init_status_after", "sanity", "read_only_ok", "status_before_epc",
-                          "status_after_epc"])
+                          "status_after_epc", "persistent_before_epc", "persistent_after_epc"])
+        assert _close(d["persistent_losses"], z["persistent_losses"], rtol=1e-5)
         assert d["sanity"].startswith("RuntimeError")
         assert _close(d["after_sanity_first"], z["after_sanity_first"], rtol=0, atol=0), \
             "the refused edit must be discarded on every rank"

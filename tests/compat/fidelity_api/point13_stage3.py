@@ -61,4 +61,20 @@ for step in range(3):
         e.empty_partition_cache()
         out["status_after_epc"] = status()
 out["losses"] = losses
+# every parameter persistent: empty_partition_cache releases them too, the next step gathers again
+torch.manual_seed(1)
+m2 = Net()
+cfg2 = dict(base, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 10**6})
+e2, _, _, _ = deepspeed.initialize(model=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1), config=cfg2)
+persist = []
+for step in range(2):
+    loss = torch.nn.functional.mse_loss(e2(x), y)
+    e2.backward(loss)
+    e2.step()
+    persist.append(float(loss))
+    if step == 0:
+        out["persistent_before_epc"] = [p.ds_status.name for p in m2.parameters()]
+        e2.empty_partition_cache()
+        out["persistent_after_epc"] = [p.ds_status.name for p in m2.parameters()]
+out["persistent_losses"] = persist
 emit(out)
