@@ -98,6 +98,8 @@ def run(body: str, impl: str, world: int = 1, timeout: float = 300, cwd: str | N
             for q in procs:
                 q.kill()
             raise
+    if cwd is None:  # the script, its store and its checkpoints: nothing is read afterwards
+        shutil.rmtree(workdir, ignore_errors=True)
     results = []
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
