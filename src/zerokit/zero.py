@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from zerokit.units.ds_attributes import attach_construction_views
 from zerokit.units.leaf import get_leaf_modules, set_leaf_modules, unset_leaf_modules  # noqa: F401
 from zerokit.units.unit import Unit, WeightState, unit_of
 from zerokit.policy import PlacementPolicy
@@ -48,6 +49,11 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._gathered_here: list[Unit] = []
+        # zero_optimization.enable_sanity_checks, as DeepSpeed: without modifier_rank an edit is
+        # discarded, so one is an error on every rank (what each parameter was on entry).
+        self._check = modifier_rank is None and any(u.sanity_checks for u in self.units)
+        self._params = [s.param for u in self.units for s in u.slots]
+        self._versions: list[tuple[int, int]] = []
 
     def __enter__(self) -> "GatheredParameters":
         if not self.enabled:
@@ -57,11 +63,29 @@ class GatheredParameters:
                 u.gather()
                 self._gathered_here.append(u)
             u.wait_weights()
+        if self._check:
+            self._versions = [(p.data.data_ptr(), p._version) for p in self._params]
         return self
+
+    def _edited_on_some_rank(self) -> bool:
+        """Collective: DeepSpeed's test (a parameter's storage or version changed), any rank."""
+        edited = any((p.data.data_ptr(), p._version) != v for p, v in zip(self._params, self._versions))
+        return self.units[0].comm.max_flag(float(edited), "GatheredParameters sanity check") > 0
 
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
+        if self._check and exc[0] is None and self._edited_on_some_rank():
+            for u in self.units:  # the edit is dropped: each unit's weights are its shards' again
+                u.release(persistent_too=True)
+                if u not in self._gathered_here:
+                    u.gather()
+                    u.wait_weights()
+            self._gathered_here = []
+            raise RuntimeError(
+                "Detected in-place modification of ZeRO-3 parameters inside GatheredParameters with "
+                "modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks. "
+                "(zero_optimization.enable_sanity_checks; the edit is discarded)")
         try:
             if self.modifier_rank is not None and exc[0] is None:
                 for u in self.units:  # the edits reach the shards an async save may be writing
@@ -234,7 +258,9 @@ class Init:
                     group_index=-1, comm=self.comm, policy=self.policy,
                     compute_dtype=params[0][1].dtype, reduce_dtype=params[0][1].dtype,
                     bucket_numel=1 << 62, ledger=self.ledger, placement=placement, nvme=self.nvme)
+        unit.sanity_checks = self.config is not None and self.config.zero_optimization.enable_sanity_checks
         _CONSTRUCTED[module] = unit
+        attach_construction_views([p for _, p in params])
 
 
 def adopt_constructed(model: nn.Module, params: list[nn.Parameter]) -> list[Unit]:

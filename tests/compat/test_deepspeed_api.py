@@ -115,8 +115,10 @@ def test_engine_answers_the_deepspeed_api():
     assert engine.transformer is engine.module.transformer  # forwarded to the wrapped module
     with pytest.raises(AttributeError, match="no_such_thing"):
         engine.no_such_thing
-    assert optimizer.optimizer is engine.optimizer and optimizer.overflow is False
-    assert optimizer.param_groups is engine.optimizer.param_groups
+    # As DeepSpeed: engine.optimizer is the wrapper initialize returned, the torch one inside it.
+    assert optimizer is engine.optimizer and optimizer.overflow is False
+    assert isinstance(optimizer.optimizer, torch.optim.SGD)
+    assert optimizer.param_groups is optimizer.optimizer.param_groups
     assert "exclude_frozen_parameters" in inspect.signature(engine.save_checkpoint).parameters
     assert engine.zero_gather_16bit_weights_on_model_save() is False
     engine.destroy()

@@ -95,7 +95,8 @@ def _script(argv: list[str], optimizer_name: str, ckpt: str, resume: bool, steps
         lrs.append(lr_scheduler.get_last_lr()[0])
         if not resume and engine.global_steps == SAVE_AT:
             engine.save_checkpoint(ckpt, client_state={"step": engine.global_steps, "note": "ds-script"})
-    assert ds_optimizer.optimizer is engine.optimizer and ds_optimizer.overflow is False
+    assert ds_optimizer is engine.optimizer and ds_optimizer.overflow is False  # as DeepSpeed
+    assert isinstance(ds_optimizer.optimizer, torch.optim.Optimizer)
     weights = engine.consolidated_fp32_state_dict()
     engine.destroy()
     return losses, seen, lrs, weights, client

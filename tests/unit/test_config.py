@@ -15,7 +15,9 @@ BAD = [
     ({**BASE, "train_batchsize": 8}, 1, ["train_batchsize", "train_batch_size"]),
     ({**BASE, "zero_optimization": {"stage": 4}}, 1, ["zero_optimization.stage", "less than or equal to 3", "4"]),
     ({**BASE, "zero_optimization": {"stage": -1}}, 1, ["zero_optimization.stage", "greater than or equal to 0"]),
-    ({**BASE, "optimizer": {"type": "Adamw"}}, 1, ["optimizer.type", "'AdamW'", "Adamw"]),
+    ({**BASE, "optimizer": {"type": "Adamx"}}, 1, ["optimizer.type", "'AdamW'", "Adamx"]),
+    # DeepSpeed matches torch class names exactly: "sgd" is refused there too
+    ({**BASE, "optimizer": {"type": "sgd"}}, 1, ["optimizer.type", "'SGD'", "sgd"]),
     ({**BASE, "optimizer": {"type": "AdamW", "params": {"lrr": 1e-3}}}, 1, ["lrr", "did you mean 'lr'"]),
     ({**BASE, "optimizer": {"type": "SGD", "params": {"lr": -1.0}}}, 1, ["optimizer.params.lr", "-1.0"]),
     ({**BASE, "optimizer": {"params": {"lr": 1e-3}}}, 1, ["optimizer.type", "Field required"]),
@@ -81,7 +83,8 @@ def test_config_surface_is_locked() -> None:
         "checkpoint", "prescale_gradients", "gradient_predivide_factor",
         "preemption", "nonfinite",  # issue #19: preemption, nonfinite
         "activation_checkpointing",  # issue #18
-        "aio"])  # issue #16: the I/O engine of offload_optimizer device 'nvme'
+        "aio",  # issue #16: the I/O engine of offload_optimizer device 'nvme'
+        "gradient_allreduce_op"])  # issue #25: DeepSpeed's 'sum'
 
 
 def test_nvme_optimizer_keys_surface() -> None:
@@ -189,3 +192,10 @@ def test_an_ignored_key_is_one_table_line(monkeypatch) -> None:
         ("zero_optimization.round_robin_gradients", True, "no effect here")], key=str)
     with pytest.raises(ConfigError, match="did you mean 'tensorboard'"):
         load_config({**BASE, "tensorbaord": {}})
+
+
+@pytest.mark.parametrize("given,expected", [("adamw", "AdamW"), ("ADAM", "Adam"), ("adagrad", "Adagrad"),
+                                            ("lion", "Lion"), ("AdamW", "AdamW"), ("SGD", "SGD")])
+def test_optimizer_type_matches_deepspeed_names_in_any_case(given, expected) -> None:
+    """DeepSpeed lower-cases its own optimizer names (runtime/config.py), its tests write "adamw"."""
+    assert load_config({**BASE, "optimizer": {"type": given}}).optimizer.type == expected

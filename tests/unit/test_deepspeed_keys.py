@@ -211,7 +211,8 @@ def test_every_table_entry_is_a_deepspeed_key() -> None:
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
      "offload_param.device 'nvme' needs offload_param.nvme_path"),
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size=2 is refused"),
-    ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op='sum'"),
+    ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}},
+     "gradient_allreduce_op='sum' is not supported with ZeRO stage 3"),
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16_master_weights_and_grads"),
     ({"elasticity": {"enabled": False}}, "removed from DeepSpeed itself"),
 ])

@@ -52,6 +52,7 @@ from zerokit.checkpoint.interface import Checkpointable, FileRange, HostRecord
 from zerokit.checkpoint.metadata import (COMMON, META, MODEL_CONFIG, describe, done_marker, rank_file, shard_file,
                                          tied_aliases)
 from zerokit.checkpoint.staging import stage
+from zerokit.checkpoint.tag_agreement import agree_on_tag
 from zerokit.checkpoint.verify import check_shard_files
 from zerokit.checkpoint.storage import (CheckpointWriteError, Parts, fsync_dir, nbytes_of,
                                         save_shard_file, write_bytes_atomic, write_error, write_json)
@@ -86,8 +87,11 @@ def settle_checkpoint(engine: Checkpointable) -> None:
 def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Any = None, client_state: dict | None = None,
                     save_latest: bool = True) -> str:
     """Collective. Returns the tag directory (it exists once every rank returns, unless async)."""
+    if not save_dir:  # as DeepSpeed: None or "" is a mistake, not the current directory
+        raise ValueError(f"save_checkpoint: save_dir must be a non-empty string, got {save_dir!r}")
     wait_for_checkpoint(engine)  # the next save waits for the previous one
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    tag = agree_on_tag(engine.comm, tag, engine.config.checkpoint.tag_validation)
     if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name, not starting with "
                          f"'.' (zerokit's temporary names) and not '{LATEST}'")

@@ -74,8 +74,6 @@ IGNORED: dict[str, Ignored] = {
          "unit where its module runs", (True,)),
         ("log_trace_cache_warnings", "DeepSpeed's stage 3 trace warnings; zerokit's trace reports "
          "a changed order itself", (False,)),
-        ("enable_sanity_checks", "DeepSpeed's stage 3 self-checks; zerokit checks its rank "
-         "agreement always", (False,)),
         ("save_muon_momentum_buffer_in_memory", "for the Muon optimizer, which zerokit does not "
          "offer", (False,)),
         ("stage3_model_persistence_threshold", "zerokit bounds persistence per unit by "
@@ -130,8 +128,6 @@ IGNORED: dict[str, Ignored] = {
         ("timers", "zerokit's engine.tput_timer is always on", ()),
         ("datastates_ckpt", "zerokit's checkpoints are its own (atomic, resharding)", ()),
         ("optimizer.legacy_fusion", "a DeepSpeed fp16 optimizer flavour; zerokit has one", (False,)),
-        ("checkpoint.tag_validation", "zerokit does not compare tags across ranks; every rank "
-         "writes under the tag it is given and the commit is atomic", ()),
         ("checkpoint.use_node_local_storage", "zerokit writes every rank's files into the "
          "directory it is given, which must be shared by all nodes (the HF Trainer sets this "
          "key for save_on_each_node)", (False,)),

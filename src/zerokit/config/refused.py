@@ -81,9 +81,6 @@ REFUSED: dict[str, Refused] = {
     "managed_gradient_accumulation": Refused(
         "false (every step() updates, the client owns the boundary) is not implemented; call "
         "engine.set_gradient_accumulation_boundary(), as Accelerate does", accepted=(True,)),
-    "gradient_allreduce_op": Refused(
-        "a summed (not averaged) gradient reduction is not implemented: ignoring 'sum' would scale "
-        "every update by 1/world_size", accepted=("mean",)),
     "optimizer.params.max_grad_norm": Refused(
         "not an optimizer parameter (DeepSpeed refuses it too): use the top-level gradient_clipping"),
     "weight_quantization": Refused(f"quantized weights: {_CHANGES_MATH}"),

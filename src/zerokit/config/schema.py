@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -31,6 +31,8 @@ Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
 
 OptimizerType = Literal["Adam", "AdamW", "SGD", "Adagrad", "Lion"]
 SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+# DeepSpeed's own optimizer names (runtime/config.py DEEPSPEED_OPTIMIZERS), lower case -> ours.
+_DEEPSPEED_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lion": "Lion"}
 
 # Hyperparameters each optimizer type accepts (torch's names; DeepSpeed passes them through).
 OPTIMIZER_PARAMS: dict[str, set[str]] = {
@@ -105,6 +107,15 @@ def _check_param_range(where: str, key: str, value: Any) -> None:
 class OptimizerConfig(_Section):
     type: OptimizerType = Field(description="Optimizer class, DeepSpeed's names.")
     params: dict[str, Any] = Field(default_factory=dict, description="Passed to the optimizer.")
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _deepspeed_names_any_case(cls, value: Any) -> Any:
+        """DeepSpeed matches its own optimizer names in any case ("adamw", "ADAM"); other names
+        are torch.optim class names, matched exactly ("SGD"), as in DeepSpeed."""
+        if isinstance(value, str):
+            return _DEEPSPEED_OPTIMIZER_NAMES.get(value.lower(), value)
+        return value
 
     @model_validator(mode="after")
     def _known_params(self) -> "OptimizerConfig":
@@ -241,6 +252,10 @@ class ZeroConfig(_Section):
     reduce_bucket_size: Int = Field(500_000_000, gt=0, description="Elements per gradient collective.")
     allgather_bucket_size: Int = Field(500_000_000, gt=0, description="Elements per weight all-gather.")
     overlap_comm: bool = Field(True, description="Reduce gradients while backward runs.")
+    enable_sanity_checks: bool = Field(
+        False, description="Stage 3: an in-place edit of a parameter inside GatheredParameters "
+                           "without modifier_rank (which discards it) raises RuntimeError on every "
+                           "rank, as DeepSpeed. zerokit checks its collectives' rank agreement always.")
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
     stage3_prefetch_bucket_size: Int = Field(
@@ -328,6 +343,15 @@ class CheckpointConfig(_Section):
                            "resume draws what the uninterrupted run would have (dropout masks, "
                            "shuffles); load_checkpoint(load_rng_states=) overrides it for one "
                            "call. Off by default, as DeepSpeed, which never touches them.")
+    tag_validation: Literal["WARN", "IGNORE", "FAIL"] = Field(
+        "WARN", description="Ranks that pass different tags to save_checkpoint: 'Fail' raises on "
+                            "every rank; 'Warn' (with a warning) and 'Ignore' save under rank 0's tag "
+                            "(DeepSpeed saves each rank under its own). Any case, as DeepSpeed.")
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
 
 
 class PreemptionConfig(_Section):
@@ -410,6 +434,11 @@ class ZeroKitConfig(_Section):
     gradient_predivide_factor: float = Field(
         1.0, gt=0, description="Without prescale_gradients: divide gradients by this factor before "
                                "the reduction (sum) and by world_size / factor after it.")
+    gradient_allreduce_op: Literal["mean", "sum"] = Field(
+        "mean", description="How gradients combine over ranks: 'mean' averages them, 'sum' adds "
+                            "them (no division by the world size, prescale_gradients and "
+                            "gradient_predivide_factor unused, as DeepSpeed); 'sum' is refused at "
+                            "stage 3, as DeepSpeed.")
     wall_clock_breakdown: bool = False
     comm_timeout_s: float = Field(
         1800.0, gt=0, description="zerokit: a collective that waits longer fails, naming the step.")
@@ -440,6 +469,9 @@ class ZeroKitConfig(_Section):
             raise ValueError(f"steps_per_print must be a whole number or infinity (got {spp!r})")
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled=true and bf16.enabled=true contradict: choose one")
+        if self.gradient_allreduce_op == "sum" and self.zero_optimization.stage == 3:
+            raise ValueError("gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (as in "
+                             "DeepSpeed): use 'mean', or stage 0-2")
         off = self.zero_optimization.offload_optimizer
         if off.step_in_backward:
             # Each of these needs every gradient of the step before any part may be updated.
@@ -457,7 +489,10 @@ class ZeroKitConfig(_Section):
     def gradient_reduction_scales(self, world_size: int) -> tuple[float, float | None]:
         """(factor before, factor after) the gradients' sum over ranks, DeepSpeed's rule: by
         default 1/world_size after (None: the plain average); prescale_gradients: 1/world_size
-        before; gradient_predivide_factor f: 1/f before and f/world_size after."""
+        before; gradient_predivide_factor f: 1/f before and f/world_size after;
+        gradient_allreduce_op 'sum': the plain sum, whatever the others say."""
+        if self.gradient_allreduce_op == "sum":
+            return 1.0, 1.0
         if self.prescale_gradients:
             return 1.0 / world_size, 1.0
         f = self.gradient_predivide_factor

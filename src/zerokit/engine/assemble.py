@@ -111,6 +111,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
         unit.index = index
         unit.grad_scales = cfg.gradient_reduction_scales(comm.world_size)
         unit.reduce_at_end = any(id(s.param) in leaf_params for s in unit.slots)
+        unit.sanity_checks = cfg.zero_optimization.enable_sanity_checks  # zero.GatheredParameters
     comm.unit_names = [u.name for u in units]  # divergence errors name the other rank's unit
     comm.unit_params = [u.param_fqns() for u in units]  # ... and its parameters
     # torch's optimizer steps only the device parts; the host executor steps the host parts.
@@ -277,12 +278,11 @@ def _scheduler(cfg, lr_scheduler: Any, torch_optimizer: torch.optim.Optimizer, u
 def _dataloader(training_data: Any, micro_batch: int, comm: Comm, collate_fn: Any):
     if training_data is None:
         return None
-    from torch.utils.data import DataLoader
-
     from zerokit.checkpoint.dataloader import ResumableDistributedSampler
+    from zerokit.engine.training_loader import TrainingDataLoader
 
     # Resumable: a checkpoint records the epoch and how far into it training has read. The
     # loader's own generator keeps iter(loader) from drawing on the global RNG a resume restores.
     sampler = ResumableDistributedSampler(training_data, num_replicas=comm.world_size, rank=comm.rank)
-    return DataLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=True, generator=torch.Generator())
+    return TrainingDataLoader(training_data, batch_size=micro_batch, sampler=sampler,
+                              collate_fn=collate_fn, drop_last=True, generator=torch.Generator())

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from zerokit.engine.deepspeed_optimizer import DeepSpeedOptimizerView  # noqa: F401  (public here)
+from zerokit.states import TrainingState
 from zerokit.units.unit import WeightState
 
 
@@ -152,6 +154,19 @@ class DeepSpeedEngineAPI:
         masters = {id(p) for p in group["params"]}
         return [s for u in self.units if id(u.master) in masters for s in u.slots]
 
+    def empty_partition_cache(self) -> None:
+        """Release every gathered stage-3 parameter, persistent ones too, as DeepSpeed's (to free
+        device memory between training and inference); each is gathered again at its next use.
+        Below stage 3 nothing is partitioned and this does nothing, as in DeepSpeed."""
+        if not self.policy.shard_weights:
+            return
+        if self.training_state is not TrainingState.IDLE:
+            raise RuntimeError(f"engine.empty_partition_cache() during {self.training_state.name.lower()}: "
+                               f"call it between steps")
+        self.wait_for_weights()
+        for u in self.units:
+            u.release(persistent_too=True)
+
     # ---- consolidated weights -----------------------------------------------------------------
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """The config's zero_optimization.stage3_gather_16bit_weights_on_model_save (or its old name
@@ -206,40 +221,3 @@ class DeepSpeedEngineAPI:
         except AttributeError:
             raise AttributeError(f"'{type(self).__name__}' object and its module "
                                  f"'{type(module).__name__}' have no attribute '{name}'") from None
-
-
-class DeepSpeedOptimizerView:
-    """What deepspeed.initialize returns as the optimizer: DeepSpeed's ZeRO optimizer wraps the
-    basic one as `.optimizer` and reports `.overflow`; Accelerate reads both. Everything else
-    (param_groups, state_dict, ...) is the optimizer zerokit.initialize returned."""
-
-    def __init__(self, engine: Any, optimizer: Any):
-        self._engine = engine
-        self._wrapped = optimizer
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        # If zerokit.initialize returns a wrapper of its own, its `.optimizer` is the basic one.
-        return getattr(self._wrapped, "optimizer", self._wrapped)
-
-    @property
-    def overflow(self) -> bool:
-        return self._engine.overflow
-
-    @property
-    def loss_scale(self) -> float:
-        return self._engine.loss_scale
-
-    cur_scale = loss_scale  # DeepSpeed's fp16 optimizers' name for it
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self._wrapped.param_groups
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_engine", "_wrapped"):
-            raise AttributeError(name)
-        return getattr(self._wrapped, name)
-
-    def __repr__(self) -> str:
-        return f"DeepSpeedOptimizerView({self._wrapped!r})"

@@ -30,7 +30,9 @@ from zerokit.engine.health import LossWatch, describe_position, handle_nonfinite
 from zerokit.engine.precision import LossScaleAtMinimumError, LossScaler, cast_inputs_half
 from zerokit.engine.offload_states import OffloadStatesAPI
 from zerokit.engine.preemption import Preemption
+from zerokit.engine.monitor import Monitor
 from zerokit.engine.throughput import ThroughputTimer
+from zerokit.engine.wall_clock import WallClockTimers
 from zerokit.policy import PartitionPolicy
 from zerokit.gather import schedule_for
 from zerokit.tiers import Ledger
@@ -61,7 +63,10 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, nn.Module):
         self._last_grad_norm: float | None = None  # get_global_grad_norm: the last step's
         self._abandoned_step: int | None = None  # this rank's optimizer raised at that step
         self._failure = ""  # why the engine is FAILED (see _fail)
-        self.tput_timer = ThroughputTimer(batch[0])
+        spp = config.steps_per_print  # DeepSpeed's timer logs its speed line this often
+        self.tput_timer = ThroughputTimer(batch[0], steps_per_output=spp if spp != math.inf else None)
+        self.timers = WallClockTimers()  # DeepSpeed's engine.timers, for the script's own regions
+        self.monitor = Monitor(config.ignored_raw)  # DeepSpeed's engine.monitor (engine/monitor.py)
         self.loss_scaler = LossScaler.from_config(config)
         self.global_steps = 0
         self.micro_steps = 0
@@ -278,7 +283,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, nn.Module):
         try:
             self.micro_steps += 1
             self._step_applied = False
-            self.tput_timer.stop(global_step=boundary)
+            self.tput_timer.stop(global_step=boundary, report_speed=self.comm.rank == 0)
             if not boundary:
                 return
             t0 = time.perf_counter()

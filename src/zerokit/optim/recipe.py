@@ -7,6 +7,7 @@ hyperparameters, so the update of each element is what it would have been on the
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -62,9 +63,13 @@ def _config_optimizer(cfg: OptimizerConfig) -> OptimizerFactory:
 def recipe_from(model: nn.Module, optimizer: Any, model_parameters: Iterable[Any] | None,
                 config_optimizer: OptimizerConfig | None) -> OptimizerRecipe:
     if optimizer is not None and config_optimizer is not None:
-        raise ValueError(
-            f"an optimizer was passed to initialize() ({type(optimizer).__name__}) and the config "
-            f"has an 'optimizer' section (type {config_optimizer.type}): keep one of them")
+        # As DeepSpeed: the client's optimizer wins and the section is not used (DeepSpeed's own
+        # tests and the HF Trainer with a client optimizer pass both).
+        logging.getLogger("zerokit").warning(
+            "an optimizer was passed to initialize() (%s) and the config has an 'optimizer' section "
+            "(type %s): using the client optimizer, as DeepSpeed does; the section is not used",
+            getattr(optimizer, "__name__", type(optimizer).__name__), config_optimizer.type)
+        config_optimizer = None
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
         cls = type(optimizer)

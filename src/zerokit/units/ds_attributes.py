@@ -10,6 +10,7 @@ The class is set once, by `attach_ds_views`, which initialize() calls at stage 3
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from enum import Enum
 
@@ -73,6 +74,20 @@ class ZeroParameter(nn.Parameter):
         a = min(max(slot.offset - lo, 0), unit.shard_numel)
         b = min(max(slot.offset + slot.numel - lo, 0), unit.shard_numel)
         return unit.shard[a:b] if unit.nvme_shard is None else unit.shard_values()[a:b]
+
+
+_constructed_ids = itertools.count()
+
+
+def attach_construction_views(params: list[nn.Parameter]) -> None:
+    """zero.Init: the ds_* views from the moment a module is partitioned, as DeepSpeed's
+    parameters have them before initialize (ds_status NOT_AVAILABLE, and AVAILABLE inside
+    GatheredParameters). ds_id counts parameters in construction order, as DeepSpeed's Init
+    does; initialize renumbers them in the model's order."""
+    for p in params:
+        if type(p) is nn.Parameter:
+            p.__class__ = ZeroParameter
+        _DS_ID[id(p)] = (weakref.ref(p), next(_constructed_ids))
 
 
 def attach_ds_views(model: nn.Module, units: list[Unit]) -> None:

@@ -100,6 +100,8 @@ class Unit:
     # Factors of the gradient reduction, a sum: (before it, after it); None after means average.
     # prescale_gradients / gradient_predivide_factor set them (ZeroKitConfig.gradient_reduction_scales).
     grad_scales: tuple[float, float | None] = (1.0, None)
+    # zero_optimization.enable_sanity_checks: GatheredParameters without modifier_rank refuses edits.
+    sanity_checks: bool = False
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], *, module: nn.Module | None,
                  trainable: bool,
@@ -502,9 +504,12 @@ class Unit:
             else:
                 s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
 
-    def release(self) -> None:
-        """Drop the full weights, keeping the shard (stage 3, non-persistent units only)."""
-        if self.persistent or self.state is WeightState.SHARDED:
+    def release(self, persistent_too: bool = False) -> None:
+        """Drop the full weights, keeping the shard (stage 3; persistent units only when
+        persistent_too: engine.empty_partition_cache, whose next use gathers them again)."""
+        if self.shard is None or self.state is WeightState.SHARDED:
+            return  # below stage 3 the full weights are the only copy
+        if self.persistent and not persistent_too:
             return
         self.wait_weights()
         self._free_flat()

@@ -19,13 +19,14 @@ from zerokit.compat.deepspeed.runtime import zero
 from zerokit.compat.deepspeed.runtime.engine import DeepSpeedEngine
 from zerokit.compat.deepspeed.utils import logger
 from zerokit.compat.deepspeed.version import DEEPSPEED_API_VERSION, __version__
+from zerokit.config import ConfigError as DeepSpeedConfigError  # what a refused config raises
 
 version = __version__
 __git_hash__ = None
 __git_branch__ = None
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
-__all__ = ["DEEPSPEED_API_VERSION", "DeepSpeedEngine", "__version__", "accelerator", "add_config_arguments",
+__all__ = ["DEEPSPEED_API_VERSION", "DeepSpeedConfigError", "DeepSpeedEngine", "__version__", "accelerator", "add_config_arguments",
            "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "init_distributed", "initialize", "logger",
            "moe", "ops", "runtime", "utils", "zero"]
 
@@ -62,7 +63,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         model=model, optimizer=optimizer, model_parameters=model_parameters, config=config,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     engine.deepspeed_api = True  # load_checkpoint answers as DeepSpeed's
-    return engine, DeepSpeedOptimizerView(engine, opt), loader, scheduler
+    # As DeepSpeed's, engine.optimizer is the wrapper initialize returns (cur_scale, overflow,
+    # ...), its `.optimizer` the torch optimizer; the engine's own uses go through the wrapper.
+    engine.optimizer = DeepSpeedOptimizerView(engine, opt)
+    return engine, engine.optimizer, loader, scheduler
 
 
 def _one_config(args: Any, config: Any, config_params: Any) -> Any:

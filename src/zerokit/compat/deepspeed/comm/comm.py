@@ -45,6 +45,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
+        # As DeepSpeed, passed on (-1: unset): torch's file:// and tcp:// rendezvous read them
+        # from these arguments only ("rank parameter missing" otherwise).
+        kwargs.update(rank=rank, world_size=world_size)
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))
