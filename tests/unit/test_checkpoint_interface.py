@@ -50,7 +50,7 @@ class FileBacked:
         self.exp_avg = exp_avg.clone()
         self.comm = Comm()
         self.module = torch.nn.Linear(2, 2)
-        self.config = SimpleNamespace(checkpoint=SimpleNamespace(async_save=async_save),
+        self.config = SimpleNamespace(checkpoint=SimpleNamespace(async_save=async_save, tag_validation="WARN"),
                                       zero_optimization=SimpleNamespace(stage=3))
         self.training_dataloader = None
         self.save_lease = ReadLease()

@@ -49,6 +49,12 @@ UPWARD: dict[tuple[str, str], str] = {
     ("io/__init__.py", "zerokit.tiers.nvme_swapper"):
         "function-level (PEP 562, on first use): zerokit.io.TensorSwapper stays the public name of "
         "the swapper, which now lives on the nvme tier (tiers/nvme_swapper.py)",
+    ("engine/deepspeed_api.py", "zerokit.compat.deepspeed.version"):
+        "function-level: load_checkpoint's answer under DeepSpeed's API carries ds_version, the "
+        "DeepSpeed version the compatibility layer mirrors (one constant, kept there)",
+    ("engine/wall_clock.py", "zerokit.compat.deepspeed.accelerator"):
+        "function-level: engine.timers.memory_usage() prints DeepSpeed's memory line from the "
+        "accelerator's figures, which the compatibility layer's accelerator owns",
     ("tiling.py", "zerokit.zero"):
         "function-level: the tiles gather through zero.GatheredParameters, and zero.py "
         "re-exports the tiles as its public API (zero.TiledLinear, as DeepSpeed)",
