@@ -31,7 +31,8 @@ import psutil
 import torch
 import torch.nn as nn
 
-from zerokit.units.unit import Unit, WeightState, unit_of
+from zerokit.units.unit import Unit, WeightState
+from zerokit.units.registry import unit_of
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -213,7 +213,7 @@ class TiledEmbedding(nn.Module):
 
     def _agreed_tiles(self, needed: torch.Tensor) -> list[int]:
         """The tiles some rank needs, ascending (see [Note: tiles across ranks])."""
-        from zerokit.units.unit import unit_of
+        from zerokit.units.registry import unit_of
 
         unit = unit_of(self.tiles[0].weight)
         if unit is not None and unit.comm.world_size > 1:

@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from zerokit.units.ds_attributes import attach_construction_views
 from zerokit.units.leaf import get_leaf_modules, set_leaf_modules, unset_leaf_modules  # noqa: F401
-from zerokit.units.unit import Unit, WeightState, unit_of
+from zerokit.units.unit import Unit, WeightState
+from zerokit.units.registry import unit_of
 from zerokit.policy import PlacementPolicy
 from zerokit.tier_names import TierName
 from zerokit.pretrained import LoadReport, load_pretrained_sharded  # noqa: F401  (public here)

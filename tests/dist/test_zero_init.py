@@ -119,7 +119,7 @@ def test_init_config_dict_or_path_is_read_as_config() -> None:
 
 def _honoured_arguments(rank: int, world: int) -> dict:
     import zerokit
-    from zerokit.units.unit import unit_of
+    from zerokit.units.registry import unit_of
     from zerokit.models import GPT
 
     out = {}

@@ -31,7 +31,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from zerokit.units.unit import unit_of
+from zerokit.units.registry import unit_of
 from zerokit.logs import log
 
 _original: Callable | None = None  # transformers' own _load_pretrained_model

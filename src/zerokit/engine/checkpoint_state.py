@@ -44,8 +44,9 @@ import torch
 from zerokit.checkpoint.interface import (FileRange, Fill, HostRecord, LoadPiece, ParamRecord, SavedOptimizer, SavePiece,
                                           SaveState, UnitRecord, segment_numel)
 from zerokit.checkpoint.metadata import IN_USE
-from zerokit.states import WeightState
+from zerokit.states import EngineFailedError, TrainingState, WeightState
 from zerokit.tier_names import TierName
+from zerokit.tiers.host_release import release_free_host_memory
 
 if TYPE_CHECKING:
     from zerokit.units.unit import Unit
@@ -291,3 +292,62 @@ def restore_training_scalars(engine: "Engine", scalars: dict[str, Any], *, optim
         if not optimizer:  # the learning rates live in the optimizer's param groups
             for group, saved in zip(engine.optimizer.param_groups, scalars["param_groups"]):
                 group["lr"] = saved["lr"]
+
+
+class CheckpointMethods:
+    """The engine's checkpoint methods: DeepSpeed's save / load calls, and the narrow interface
+    the checkpoint package reads ([Note: checkpoint interface]), answered by the functions above.
+    A base of Engine, as DeepSpeedEngineAPI is."""
+
+    # ---- checkpoints (zerokit.checkpoint does the work) ----------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """exclude_frozen_parameters is accepted for DeepSpeed's signature (the HF Trainer probes
+        it) and ignored: frozen parameters are saved too, so the checkpoint is larger, not wrong.
+        Returns True, as DeepSpeed does."""
+        from zerokit.checkpoint import save_checkpoint
+
+        self._require_states_loaded("save_checkpoint")
+        if self.training_state is TrainingState.FAILED:  # its state may be torn: never save it
+            raise EngineFailedError(self._failure)
+        save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, load_rng_states: bool | None = None):
+        """(tag directory, client_state), or (None, None) without a `latest`. Under DeepSpeed's
+        API (deepspeed_api) what DeepSpeed's returns: see deepspeed_api.deepspeed_load_result.
+        load_rng_states: None reads checkpoint.load_rng_states (default false: the process's
+        RNG states are left alone, as DeepSpeed leaves them)."""
+        from zerokit.checkpoint import load_checkpoint
+
+        self._require_states_loaded("load_checkpoint")
+        if load_rng_states is None:
+            load_rng_states = self.config.checkpoint.load_rng_states
+        micro_steps = self.micro_steps
+        path, client = load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                       load_optimizer_states=load_optimizer_states,
+                                       load_lr_scheduler_states=load_lr_scheduler_states,
+                                       load_module_only=load_module_only, load_rng_states=load_rng_states)
+        release_free_host_memory("load_checkpoint")  # the files' pieces read on the way
+        if self.deepspeed_api and path is not None:
+            self.micro_steps = micro_steps  # DeepSpeed's load leaves it (0 in a fresh engine)
+            return self.deepspeed_load_result(path, client)
+        return path, client
+
+    # ---- what a checkpoint sees: [Note: checkpoint interface] (checkpoint/interface.py) ---------
+    def checkpoint_units(self) -> list[UnitRecord]:
+        return [unit_record(u) for u in self.units]
+
+    def state_to_save(self) -> SaveState:
+        return state_to_save(self)
+
+    def restore_state(self, fill: Fill, optimizer: SavedOptimizer | None) -> None:
+        restore_state(self, fill, optimizer)
+
+    def training_scalars(self) -> dict[str, Any]:
+        return training_scalars(self)
+
+    def restore_training_scalars(self, scalars: dict[str, Any], *, optimizer: bool, lr_scheduler: bool) -> None:
+        restore_training_scalars(self, scalars, optimizer=optimizer, lr_scheduler=lr_scheduler)

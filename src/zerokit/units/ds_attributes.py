@@ -17,7 +17,8 @@ from enum import Enum
 import torch
 import torch.nn as nn
 
-from zerokit.units.unit import ParamSlot, Unit, WeightState, unit_of
+from zerokit.units.unit import ParamSlot, Unit, WeightState
+from zerokit.units.registry import unit_of
 
 
 class ZeroParamStatus(Enum):

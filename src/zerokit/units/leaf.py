@@ -47,7 +47,7 @@ def set_leaf_modules(model: nn.Module, leaf_module_classes: Iterable) -> list[nn
     Raises ValueError, naming the classes, when the model holds none of them (a misspelt name
     would otherwise leave the model unmarked and fail later, at the first divergent step).
     """
-    from zerokit.units.unit import unit_of
+    from zerokit.units.registry import unit_of
 
     # zero.Init's construction units have no module; an engine's units do.
     if any(getattr(unit_of(p), "module", None) is not None for p in model.parameters()):

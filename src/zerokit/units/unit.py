@@ -56,7 +56,6 @@ then neither unlinks nor zeroes what the step reads.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -65,24 +64,13 @@ import torch.nn as nn
 from zerokit.comm.collectives import Comm, Handle, require_backed
 from zerokit.policy.layout import ALIGN, UnitLayout, plan_layout
 from zerokit.units.lease import ReadLease
+from zerokit.units.registry import hold, let_go
 from zerokit.parts.device import DevicePart
 from zerokit.parts.host import HostPart
 from zerokit.states import WeightState, move
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tiers import Ledger, TierName, tiers_for
 from zerokit.tiers.transfer import side_stream, uses_streams
-
-
-# Which unit holds a parameter, for GatheredParameters and zero.Init. The lookup keeps neither
-# alive: the value is weak, so a dropped engine's units (and their buffers) are freed, and the
-# key is id(param), which no other object can take while the unit lives, since the unit holds
-# its parameters. (A WeakKeyDictionary keyed by the parameter would compare tensors with ==,
-# which is element-wise.)
-_UNIT_OF: "weakref.WeakValueDictionary[int, Unit]" = weakref.WeakValueDictionary()
-
-
-def unit_of(param: torch.Tensor) -> "Unit | None":
-    return _UNIT_OF.get(id(param))
 
 
 @dataclass(frozen=True)
@@ -195,7 +183,7 @@ class Unit:
         for s in self.slots:
             s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
             s.param.grad = None
-            _UNIT_OF[id(s.param)] = self
+            hold(s.param, self)
         self.nvme_shard = None  # offload_param nvme: the shard's file (tiers/nvme_shard.py)
         if isinstance(bufs.get("shard"), torch.Tensor) or "shard" not in bufs:
             self.shard: torch.Tensor | None = bufs.get("shard")
@@ -538,8 +526,7 @@ class Unit:
         self.wait_weights()  # a gather in flight still writes into `flat`: never free under it
         self._retired = True
         for s in self.slots:
-            if unit_of(s.param) is self:
-                del _UNIT_OF[id(s.param)]
+            let_go(s.param, self)
         self.flat.untyped_storage().resize_(0)
         if self.nvme_shard is not None:
             self.nvme_shard.close()

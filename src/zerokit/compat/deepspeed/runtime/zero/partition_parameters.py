@@ -15,7 +15,7 @@ import torch
 
 from zerokit.compat.deepspeed.accelerator import get_accelerator
 from zerokit.units.ds_attributes import ZeroParamStatus
-from zerokit.units.unit import unit_of
+from zerokit.units.registry import unit_of
 import zerokit.zero
 from zerokit.zero import GatheredParameters
 
