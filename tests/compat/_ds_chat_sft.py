@@ -4,8 +4,8 @@ OPT built from its config under HfDeepSpeedConfig (so under zero.Init at ZeRO-3)
 resize_token_embeddings, a client DeepSpeedCPUAdam over DeepSpeed-Chat's two weight-decay groups,
 transformers' cosine schedule, an evaluation pass (perplexity, all-reduced) before training,
 training with engine.backward / engine.step, and DeepSpeed-Chat's ZeRO-3 save (each parameter
-gathered). The body of a _runtime_runner run: SPEC (json in the environment) picks the stage,
-offload, overlap_comm and steps.
+gathered). The body of a _fidelity_runner run (its `workdir` receives the saved model): SPEC (json
+in the environment) picks the stage, offload, overlap_comm and steps.
 """
 import json
 import math
@@ -117,7 +117,7 @@ for name, p in model.module.named_parameters():
         if rank == 0:
             state[name] = p.detach().float().cpu().clone()
 if rank == 0:
-    torch.save(state, os.path.join(os.environ["OUT"], "pytorch_model.bin"))
+    torch.save(state, os.path.join(workdir, "pytorch_model.bin"))
 emit({"deepspeed": deepspeed.__version__, "eval_loss": eval_loss, "losses": losses, "eval_after": eval_after,
       "saved": sorted(state)[:3], "n_saved": len(state),
       "embed": list(state["model.decoder.embed_tokens.weight"].shape) if rank == 0 else None})

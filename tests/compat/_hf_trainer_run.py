@@ -1,5 +1,6 @@
 """One Hugging Face Trainer run under whatever `import deepspeed` resolves to (zerokit's
-compatibility distribution, or the real DeepSpeed): run as a script, it prints one JSON line.
+compatibility distribution, or the real DeepSpeed). The tests run body(spec) through
+_fidelity_runner.run (the run's workdir is `out`); run as a script, it prints one JSON line.
 
     python _hf_trainer_run.py '{"stage": 2, "offload": true, "out": "/tmp/x", ...}'
 
@@ -135,6 +136,13 @@ def main(spec: dict) -> dict:
         with torch.no_grad():
             result["loaded_loss"] = float(loaded(input_ids=ids, labels=ids).loss)
     return result
+
+
+def body(spec: dict) -> str:
+    """The _fidelity_runner body that runs main(spec) with the run's workdir as `out`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return (f"import json, sys\nsys.path.insert(0, {here!r})\nimport _hf_trainer_run\n"
+            f"emit(_hf_trainer_run.main(dict(json.loads({json.dumps(spec)!r}), out=workdir)))\n")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 0.19.8 (DS_ACCELERATOR=cpu) and through zerokit's `deepspeed`, 2 gloo ranks, compared on what
 each reads or computes.
 
-The script bodies are in tests/compat/fidelity_api/ (run by _api_runner.run, which starts
+The script bodies are in tests/compat/fidelity_api/ (run by _fidelity_runner.run, which starts
 each rank as a fresh process): point13_stage012.py (init_distributed with a file:// rendezvous,
 DeepSpeedConfigError, OffloadDeviceEnum, ops.__compatible_ops__, the optimizer type in lower case,
 a client optimizer beside a config section, gradient_allreduce_op 'sum', save_checkpoint(None),
@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from _api_runner import real_deepspeed_or_skip, run
+from _fidelity_runner import real_deepspeed_or_skip, run
 
 BODIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fidelity_api")
 _RUNS: dict[tuple[str, str], list] = {}

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from _fidelity_runner import REPO, real_deepspeed, run_script
+from _fidelity_runner import REPO, real_deepspeed_or_skip, run
 
 # World 2, stage 1, a client-free config without gradient_clipping: DeepSpeed's defaults apply.
 TRAINING = r'''
@@ -133,9 +133,9 @@ emit(out)
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory) -> dict:
-    real_deepspeed()
+    real_deepspeed_or_skip()
     tmp = tmp_path_factory.mktemp("fidelity")
-    return {impl: run_script(TRAINING, impl, tmp, world=2) for impl in ("deepspeed", "zerokit")}
+    return {impl: run(TRAINING, impl, tmp / impl, world=2, join_group=True) for impl in ("deepspeed", "zerokit")}
 
 
 def _both(training: dict, key: str) -> tuple:
@@ -194,9 +194,9 @@ def test_a_skipped_step_is_reported_as_skipped(training) -> None:
 def test_fp16_at_min_loss_scale_raises_as_deepspeed(tmp_path) -> None:
     """Point 3: the overflow that would lower the scale below min_loss_scale raises DeepSpeed's
     error (its DynamicLossScaler on the same overflows); point 4 with a static loss scale."""
-    real_deepspeed()
-    (ds,) = run_script(LOSS_SCALE, "deepspeed", tmp_path)
-    (zk,) = run_script(LOSS_SCALE, "zerokit", tmp_path)
+    real_deepspeed_or_skip()
+    (ds,) = run(LOSS_SCALE, "deepspeed", tmp_path / "deepspeed", join_group=True)
+    (zk,) = run(LOSS_SCALE, "zerokit", tmp_path / "zerokit", join_group=True)
     assert ds["error"][1].startswith("Current loss scale already at minimum - cannot decrease scale")
     assert zk["error"][1] == ds["error"][1]
     assert zk["scales"] == ds["scales"] == [4, 2, 1]
@@ -225,7 +225,7 @@ def test_nvme_swap_files_are_removed_at_a_normal_exit(tmp_path) -> None:
     """Point 10: the docs say the swap files go when the engine closes; a script that never
     calls destroy() exits normally and leaves none (zerokit's own promise: DeepSpeed's NVMe
     swapper needs its aio op, which this CPU environment does not build)."""
-    (zk,) = run_script(NVME_EXIT, "zerokit", tmp_path)
+    (zk,) = run(NVME_EXIT, "zerokit", tmp_path / "zerokit", join_group=True)
     assert zk["files_while_alive"] > 0
     nvme = os.path.join(str(tmp_path), "zerokit", "nvme")
     left = [os.path.join(d, f) for d, dirs, fs in os.walk(nvme) for f in fs + dirs]

@@ -17,21 +17,11 @@ import os
 
 import pytest
 
-import _runtime_runner as runner
+import _hf_trainer_run
+from _fidelity_runner import real_deepspeed_or_skip, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RTOL = 1e-3  # bf16 compute: the two implementations round in different orders
-
-
-@pytest.fixture(scope="module")
-def compat_site(tmp_path_factory) -> str:
-    return runner.install_compat(str(tmp_path_factory.mktemp("compat")))
-
-
-def _need_real_deepspeed() -> None:
-    if not runner.real_deepspeed_available():
-        pytest.skip("the comparison needs the real DeepSpeed: install zerokit's `bench` extra "
-                    "(deepspeed==0.19.8)")
 
 
 def _close(a: list[float], b: list[float], rtol: float = RTOL) -> bool:
@@ -44,11 +34,11 @@ def _chat_body(spec: dict) -> str:
 
 
 @pytest.mark.slow
-def test_deepspeed_chat_sft_zero3_offload_matches_deepspeed(compat_site, tmp_path) -> None:
-    _need_real_deepspeed()
+def test_deepspeed_chat_sft_zero3_offload_matches_deepspeed(tmp_path) -> None:
+    real_deepspeed_or_skip()
     spec = {"stage": 3, "offload": True, "steps": 10, "hidden": 64, "vocab": 1000, "tokens": 1003}
-    zk = runner.run(_chat_body(spec), "zerokit", 2, str(tmp_path / "zk"), compat_site)
-    ds = runner.run(_chat_body(spec), "deepspeed", 2, str(tmp_path / "ds"))
+    zk = run(_chat_body(spec), "zerokit", tmp_path / "zk", world=2, timeout=600)[0]
+    ds = run(_chat_body(spec), "deepspeed", tmp_path / "ds", world=2, timeout=600)[0]
     assert zk["deepspeed"].endswith("+zerokit") and "zerokit" not in ds["deepspeed"]
     print(f"\nzerokit   {zk['losses']}\ndeepspeed {ds['losses']}")
     assert abs(zk["eval_loss"] - ds["eval_loss"]) <= RTOL * abs(ds["eval_loss"])
@@ -58,32 +48,22 @@ def test_deepspeed_chat_sft_zero3_offload_matches_deepspeed(compat_site, tmp_pat
     assert os.path.getsize(tmp_path / "zk" / "pytorch_model.bin") > 0
 
 
-_TRAINER_BODY = '''
-import json, os, sys
-sys.path.insert(0, {here!r})
-import _hf_trainer_run as run
-spec = json.loads({spec!r})
-emit(run.main(dict(spec, out=os.environ["OUT"])))
-'''
-
-
-def _trainer(spec: dict, impl: str, out, compat_site=None) -> dict:
-    body = _TRAINER_BODY.format(here=HERE, spec=json.dumps(spec))
-    return runner.run(body, impl, 2, str(out), compat_site)
+def _trainer(spec: dict, impl: str, out) -> dict:
+    return run(_hf_trainer_run.body(spec), impl, out, world=2, timeout=600)[0]
 
 
 @pytest.mark.slow
-def test_hf_trainer_world2_zero3_offload_resume_matches_deepspeed(compat_site, tmp_path) -> None:
+def test_hf_trainer_world2_zero3_offload_resume_matches_deepspeed(tmp_path) -> None:
     """DeepSpeed 0.19.8's stage 3 on the CPU accelerator fails at this run's second step (see
     test_hf_trainer._deepspeed_reference), so DeepSpeed runs stage 2 of the same run: the stage
     changes where bytes live, not the math."""
-    _need_real_deepspeed()
+    real_deepspeed_or_skip()
     spec = {"stage": 3, "offload": True, "save_at": 3}
-    zk = _trainer(spec, "zerokit", tmp_path / "zk", compat_site)
+    zk = _trainer(spec, "zerokit", tmp_path / "zk")
     ds = _trainer(dict(spec, stage=2), "deepspeed", tmp_path / "ds")
     print(f"\nzerokit   {zk['losses']}\ndeepspeed {ds['losses']}")
     assert len(zk["losses"]) == 6 and _close(zk["losses"], ds["losses"]), (zk["losses"], ds["losses"])
-    resumed = _trainer(dict(spec, resume_from="checkpoint-3"), "zerokit", tmp_path / "zk", compat_site)
+    resumed = _trainer(dict(spec, resume_from="checkpoint-3"), "zerokit", tmp_path / "zk")
     print(f"resumed   {resumed['losses']}")
     assert _close(resumed["losses"], ds["losses"][3:]), (resumed["losses"], ds["losses"][3:])
     assert zk["loading_info"]["missing_keys"] == [] and zk["loading_info"]["unexpected_keys"] == []

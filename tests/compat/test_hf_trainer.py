@@ -2,22 +2,20 @@
 distribution) against the same run on DeepSpeed 0.19.8 (the `bench` extra, DS_ACCELERATOR=cpu):
 stages 1-3, with and without CPU offload, resize_token_embeddings, save_model then
 from_pretrained, resume_from_checkpoint. Each run is a fresh subprocess (tests/compat/
-_hf_trainer_run.py); the zerokit one has a temporary install of compat/deepspeed before
-site-packages on its path, the DeepSpeed one has not. Nothing is shared between them.
+_hf_trainer_run.py, through _fidelity_runner.run); the zerokit one has a temporary install of
+compat/deepspeed before site-packages on its path, the DeepSpeed one has not. Nothing is shared
+between them.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-SCRIPT = os.path.join(HERE, "_hf_trainer_run.py")
+import _hf_trainer_run
+from _fidelity_runner import real_deepspeed_or_skip, run
+
 RTOL = 1e-3
 
 # transformers and accelerate are in the `test` extra: a missing one fails here, it never skips.
@@ -25,48 +23,9 @@ import accelerate  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
 
-@pytest.fixture(scope="module")
-def compat_site(tmp_path_factory) -> str:
-    """compat/deepspeed installed into a temporary directory, without network or build isolation
-    (setuptools from this environment)."""
-    target = tmp_path_factory.mktemp("compat-site")
-    src = tmp_path_factory.mktemp("compat-src") / "deepspeed"
-    shutil.copytree(os.path.join(REPO, "compat", "deepspeed"), src)  # the build writes beside it
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                          "--no-build-isolation", "--target", str(target), str(src)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return str(target)
-
-
-def _real_deepspeed() -> None:
-    try:
-        import deepspeed
-    except ImportError:
-        pytest.skip("the comparison needs the real DeepSpeed: install zerokit's `bench` extra "
-                    "(deepspeed==0.19.8)")
-    if "zerokit" in deepspeed.__version__:
-        pytest.skip("`import deepspeed` is zerokit's compatibility layer in this environment; the "
-                    "comparison needs the real DeepSpeed (the `bench` extra)")
-
-
-def run_trainer(spec: dict, out_dir, compat_site: str | None, port: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DS_ACCELERATOR")}
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    path = [os.path.join(REPO, "src")]
-    if compat_site is not None:
-        path.insert(0, compat_site)
-    else:
-        env["DS_ACCELERATOR"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(path)
-    spec = {**spec, "out": str(out_dir)}
-    proc = subprocess.run([sys.executable, SCRIPT, json.dumps(spec)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=str(out_dir))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (f"{'zerokit' if compat_site else 'DeepSpeed'} run {spec} "
-                                            f"failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+def run_trainer(spec: dict, out_dir, impl: str) -> dict:
+    """One Trainer run of `spec` at world 1 under `impl`, writing into `out_dir`."""
+    return run(_hf_trainer_run.body(spec), impl, out_dir, timeout=600)[0]
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -89,7 +48,7 @@ def _deepspeed_run(spec: dict, out_dir) -> dict:
     """The DeepSpeed run of `spec`, once per module: stage 3 cases share stage 2's (see above)."""
     key = json.dumps(spec, sort_keys=True)
     if key not in _DEEPSPEED_RUNS:
-        _DEEPSPEED_RUNS[key] = run_trainer(spec, out_dir, None, 29632)
+        _DEEPSPEED_RUNS[key] = run_trainer(spec, out_dir, "deepspeed")
     return _DEEPSPEED_RUNS[key]
 
 
@@ -109,11 +68,9 @@ CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", CASES)
-def test_trainer_matches_deepspeed(spec, compat_site, tmp_path) -> None:
-    _real_deepspeed()
-    (tmp_path / "zk").mkdir()
-    (tmp_path / "ds").mkdir()
-    zk = run_trainer(spec, tmp_path / "zk", compat_site, 29631)
+def test_trainer_matches_deepspeed(spec, tmp_path) -> None:
+    real_deepspeed_or_skip()
+    zk = run_trainer(spec, tmp_path / "zk", "zerokit")
     ds = _deepspeed_run(_deepspeed_reference(spec), tmp_path / "ds")
     assert zk["deepspeed"].endswith("+zerokit") and "zerokit" not in ds["deepspeed"]
     print(f"\nLOSSES {spec}: zerokit {zk['losses']}\n        deepspeed {ds['losses']}")
@@ -123,7 +80,7 @@ def test_trainer_matches_deepspeed(spec, compat_site, tmp_path) -> None:
         # A fresh process resumes from checkpoint-save_at and logs steps save_at+1 .. 6: the same
         # losses as the uninterrupted run.
         resume = {**spec, "resume_from": f"checkpoint-{spec['save_at']}"}
-        zk = run_trainer(resume, tmp_path / "zk", compat_site, 29633)
+        zk = run_trainer(resume, tmp_path / "zk", "zerokit")
         tail = ds["losses"][spec["save_at"]:]
         print(f"RESUMED {spec}: zerokit {zk['losses']}")
         assert _close(zk["losses"], tail), (zk["losses"], tail)
@@ -162,9 +119,8 @@ HF_ZERO3 = {  # transformers' documented ZeRO-3 example
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [HF_ZERO2, HF_ZERO3], ids=["hf-zero2", "hf-zero3"])
-def test_hf_documented_configs_load_through_the_trainer(config, compat_site, tmp_path) -> None:
+def test_hf_documented_configs_load_through_the_trainer(config, tmp_path) -> None:
     """Unedited: the Trainer fills the "auto"s, zerokit trains, saves and the result loads."""
-    zk = run_trainer({"stage": config["zero_optimization"]["stage"], "config": config}, tmp_path,
-                     compat_site, 29634)
+    zk = run_trainer({"stage": config["zero_optimization"]["stage"], "config": config}, tmp_path, "zerokit")
     assert len(zk["losses"]) == 6 and all(x == x for x in zk["losses"]), zk["losses"]
     assert zk["loading_info"]["missing_keys"] == [], zk["loading_info"]

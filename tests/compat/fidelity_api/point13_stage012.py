@@ -2,8 +2,8 @@
 import os, torch, deepspeed
 import torch.distributed as dist
 out = {}
-store = "file://" + os.environ["ZK_FIDELITY_DIR"] + "/store"
-deepspeed.init_distributed(dist_backend="gloo", init_method=store, rank=RANK, world_size=WORLD)
+store = "file://" + os.path.join(workdir, "store")
+deepspeed.init_distributed(dist_backend="gloo", init_method=store, rank=rank, world_size=world)
 out["world"] = dist.get_world_size()
 out["config_error_is_exception"] = issubclass(deepspeed.DeepSpeedConfigError, Exception)
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
@@ -17,7 +17,7 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
 
 def batch(step):
-    g = torch.Generator().manual_seed(100 * step + RANK)
+    g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
 
 def train(engine, steps=2):
@@ -70,14 +70,14 @@ except Exception as ex:
     out["sum_stage3"] = f"ValueError: {isinstance(ex, ValueError)}" + ("/stage 3" if "stage 3" in str(ex) else str(ex)[:200])
 
 # checkpoint.tag_validation
-d = os.environ["ZK_FIDELITY_DIR"]
+d = workdir
 for mode in ("Warn", "Ignore", "Fail"):
     m = model()
     cfg = dict(base, checkpoint={"tag_validation": mode}, zero_optimization={"stage": 2})
     e, _, _, _ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), config=cfg)
     train(e, 1)
     try:
-        e.save_checkpoint(os.path.join(d, "ckpt-" + mode), tag=f"tag-{RANK}")
+        e.save_checkpoint(os.path.join(d, "ckpt-" + mode), tag=f"tag-{rank}")
         out["tag_" + mode] = "saved"
     except AssertionError:
         out["tag_" + mode] = "AssertionError"

@@ -32,7 +32,7 @@ out["init_status_after"] = status()
 # enable_sanity_checks: an in-place edit (rank 0 only) without modifier_rank
 try:
     with deepspeed.zero.GatheredParameters([m.a.weight]):
-        if RANK == 0:
+        if rank == 0:
             with torch.no_grad():
                 m.a.weight.add_(1.0)
     out["sanity"] = "no error"
@@ -46,7 +46,7 @@ with deepspeed.zero.GatheredParameters([m.a.weight]):
 out["read_only_ok"] = True
 
 e, o, _, _ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), config=base)
-g = torch.Generator().manual_seed(7 + RANK)
+g = torch.Generator().manual_seed(7 + rank)
 x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
 losses = []
 for step in range(3):
