@@ -2,19 +2,17 @@
 host tier, stepped by the native kernel. See [Note: optimizer parts] in parts/__init__.py."""
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from zerokit.policy.layout import OptimizerPart
 from zerokit.parts.held_gradient import HeldGradient
-from zerokit.parts.kernel_part import STATE_NAMES, KernelOperands, WeightsOut
+from zerokit.parts.kernel_part import STATE_NAMES, KernelOperands, PartSpan, WeightsOut
 from zerokit.optim import host as host_kernels
 from zerokit.tier_names import TierName
 from zerokit.tiers.tier import CopyHandle, Tier
 
 
-class HostPart:
+class HostPart(PartSpan):
     """The host part: master, optimizer state, gradient and output buffers on the host tier,
     stepped by the native kernel (parts/executors.py `HostExecutor`); a `KernelPart`
     (parts/kernel_part.py)."""
@@ -23,16 +21,15 @@ class HostPart:
 
     def __init__(self, unit, span: OptimizerPart, buffers: dict[str, torch.Tensor], host: Tier,
                  home: torch.Tensor, in_place: bool, pinned: bool):
-        self._unit = weakref.ref(unit)  # the unit holds us: a strong link back would be a cycle
-        self.lo, self.hi = span.lo, span.hi
+        # the new weights' way to the compute weights (in_place: the kernel writes them itself)
+        super().__init__(unit, span.lo, span.hi,
+                         WeightsOut(home, buffers.get("host_out16"), in_place, pinned))
         self.master = buffers["host_master"]
         self.grads = [buffers[n] for n in ("host_grad0", "host_grad1") if n in buffers]
         # step_in_backward: no gradient buffer between steps, one held while in use
         self.held = None if self.grads else HeldGradient(self.numel)
         self.current = 0
         self.staging = buffers.get("host_staging")
-        # the new weights' way to the compute weights (in_place: the kernel writes them itself)
-        self.out = WeightsOut(home, buffers.get("host_out16"), in_place, pinned)
         self._tier = host
         self.state: dict[str, torch.Tensor] = {}
         self.steps = 0  # host updates applied, the 1-based bias-correction count of the next one
@@ -40,23 +37,6 @@ class HostPart:
         self._staged: list[tuple[CopyHandle, int, int]] = []  # copies in flight
         self.grad_in_flight: torch.Tensor | None = None  # the buffer the running update reads
         self.busy = None  # the executor worker that may write master/state (executors.WorkerDone)
-
-    @property
-    def unit(self):
-        return self._unit()
-
-    @property
-    def numel(self) -> int:
-        return self.hi - self.lo
-
-    @property
-    def out16(self) -> torch.Tensor | None:
-        """The kernel's 16-bit output (None in fp32 training: the master is the output)."""
-        return self.out.out16
-
-    @property
-    def pin(self) -> bool:
-        return self.out.pinned
 
     def begin_step(self, worker_done) -> None:
         """The executor's worker steps this part next: counted, the gradient it reads taken

@@ -3,13 +3,15 @@
 A host part (parts/host.py) and an nvme part (parts/nvme.py) are both stepped by the native
 kernel on an executor's worker (parts/executors.py), but they hold their state differently: the
 host part in host tensors, the nvme part in file ranges streamed a sub-group at a time. Neither is
-the other: each implements `KernelPart`, the small interface the executors use, and both hold a
-`WeightsOut` (the route of their new weights to the unit's compute weights). The kernel itself
+the other: each implements `KernelPart`, the small interface the executors use, and both are a
+`PartSpan`: elements [lo, hi) of the unit's optimizer range and a `WeightsOut` (the route of
+their new weights to the unit's compute weights). The kernel itself
 sees neither part: a step function reads `KernelOperands`, which the host executor takes from a
 host part whole and the streaming executor builds per sub-group from its buffer sets.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,6 +56,34 @@ class WeightsOut:
         update's write-back does not undo it."""
         if self.out16 is not None:
             self.out16[changed] = new[changed].to(self.out16.dtype)
+
+
+class PartSpan:
+    """What a host part and an nvme part both are: elements [lo, hi) of a unit's optimizer range
+    whose new weights leave through a `WeightsOut`. A base of both, holding only that."""
+
+    def __init__(self, unit, lo: int, hi: int, out: WeightsOut):
+        self._unit = weakref.ref(unit)  # the unit holds us: a strong link back would be a cycle
+        self.lo, self.hi = lo, hi
+        self.out = out
+
+    @property
+    def unit(self):
+        return self._unit()
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def out16(self) -> torch.Tensor | None:
+        """The 16-bit output in host memory: None in fp32 training (the master is the output)
+        and where the weights' home is a file the stream writes directly."""
+        return self.out.out16
+
+    @property
+    def pin(self) -> bool:
+        return self.out.pinned
 
 
 class KernelPart(Protocol):

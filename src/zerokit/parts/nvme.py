@@ -11,14 +11,12 @@ a time; the few operations that need the whole master (an edit under GatheredPar
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from zerokit.io.aio import wait_all
 from zerokit.optim import host as host_kernels
 from zerokit.parts.held_gradient import HeldGradient, host_buffer
-from zerokit.parts.kernel_part import STATE_NAMES, WeightsOut
+from zerokit.parts.kernel_part import STATE_NAMES, PartSpan, WeightsOut
 from zerokit.parts.ranges import uncovered
 from zerokit.policy.layout import OptimizerPart
 from zerokit.tier_names import TierName
@@ -114,19 +112,18 @@ class FileGradient:
         self._exact = True
 
 
-class NvmePart:
+class NvmePart(PartSpan):
     """The nvme part: fp32 master, optimizer state and gradient in files on the nvme tier, the
     new weights in host memory (or in the shard's file); stepped a sub-group at a time by the
     streaming executor (parts/nvme_executor.py). A `KernelPart` (parts/kernel_part.py), as the
-    host part is; what the two share is held, not inherited: the route of the new weights
-    (`WeightsOut`) and, with step_in_backward, a `HeldGradient`."""
+    host part is; both are a `PartSpan` (a range of the unit's optimizer range whose new weights
+    leave through a `WeightsOut`), and with step_in_backward both hold a `HeldGradient`."""
 
     tier = TierName.NVME
 
     def __init__(self, unit, span: OptimizerPart, *, master: FileRange, grad_files: list[FileRange],
                  out16: torch.Tensor | None, nvme: NvmeTier, home, in_place: bool, pinned: bool):
-        self._unit = weakref.ref(unit)  # the unit holds us: a strong link back would be a cycle
-        self.lo, self.hi = span.lo, span.hi
+        super().__init__(unit, span.lo, span.hi, WeightsOut(home, out16, in_place, pinned))
         self.nvme = nvme
         self.master = master
         # one gradient file, two with the delayed update (the stream reads one, backward writes
@@ -135,7 +132,6 @@ class NvmePart:
         self.gradients: list[FileGradient | HeldGradient] = (
             [FileGradient(nvme, g) for g in grad_files] if grad_files else [self.held])
         self.current = 0
-        self.out = WeightsOut(home, out16, in_place, pinned)
         # A weight shard on NVMe (offload_param device 'nvme'): no 16-bit copy of the part in RAM;
         # the stream writes each sub-group's new weights to the shard's file (`out_file`).
         self.out_file = home.range if out16 is None and isinstance(home, FileHome) else None
@@ -145,23 +141,6 @@ class NvmePart:
         self.group = 0  # the optimizer param group whose hyper-parameters apply (bound later)
         self.gradient_in_flight: FileGradient | HeldGradient | None = None  # what the stream reads
         self.busy = None  # the executor worker that may write master/state (executors.WorkerDone)
-
-    @property
-    def unit(self):
-        return self._unit()
-
-    @property
-    def numel(self) -> int:
-        return self.hi - self.lo
-
-    @property
-    def out16(self) -> torch.Tensor | None:
-        """The stream's 16-bit output in host memory; None where the shard is a file."""
-        return self.out.out16
-
-    @property
-    def pin(self) -> bool:
-        return self.out.pinned
 
     def begin_step(self, worker_done) -> None:
         """The stream steps this part next: counted, the gradient it reads taken, marked busy."""
