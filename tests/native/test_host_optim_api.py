@@ -174,7 +174,12 @@ HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1
 
 @pytest.mark.parametrize("over, kw, match", [
     (dict(grad=torch.zeros(11)), {}, "grad has 11 elements but master has 10"),
-    (dict(exp_avg=torch.zeros(10, dtype=torch.float64)), {}, "exp_avg has dtype float64; allowed: float32"),
+    (dict(exp_avg=torch.zeros(10, dtype=torch.float64)), {}, "exp_avg has dtype float64; allowed: float32, bfloat16"),
+    (dict(exp_avg=torch.zeros(10, dtype=torch.bfloat16)), {},
+     "optimizer states must share one dtype; got exp_avg=bfloat16, exp_avg_sq=float32"),
+    ({}, dict(stochastic_rounding=True), "stochastic_rounding=True needs a bf16 master or bf16 optimizer states"),
+    (dict(master=torch.zeros(10, dtype=torch.bfloat16)), dict(seed=-1), r"seed=-1 must be an int in \[0, 2\*\*64\)"),
+    (dict(master=torch.zeros(10, dtype=torch.bfloat16)), dict(index_base=-5), "index_base=-5 must be an int >= 0"),
     (dict(grad=torch.zeros(10, dtype=torch.int32)), {}, "grad has dtype int32; allowed: float32, bfloat16, float16"),
     (dict(master=torch.zeros(20)[::2]), {}, r"master \(shape \(10,\), strides \(2,\)\) is not contiguous"),
     (dict(exp_avg_sq=torch.zeros(10, device="meta")), {}, "exp_avg_sq is on meta"),

@@ -2,10 +2,19 @@
 
 Every buffer is a flat (or any-shape) contiguous CPU tensor of the same number of elements:
 
-    master, exp_avg, exp_avg_sq, state_sum   fp32, updated in place
+    master                                   fp32 or bf16, updated in place
+    exp_avg, exp_avg_sq, state_sum           fp32 or bf16 (all states of one call alike)
     grad                                     fp32, bf16 or fp16; read only
     out16                                    optional bf16/fp16 buffer; receives the new master
-                                             rounded to nearest even (same bits as .to(dtype))
+                                             rounded to nearest even (same bits as .to(dtype));
+                                             with a bf16 master, the stored master's bits
+
+bf16 master and/or states (DeepSpeed's bf16_master_weights_and_grads / bf16_optimizer_states):
+the math stays fp32 (loads widen, stores round), every ISA and the fallback give the same bits
+(fallback_bf16.py). `stochastic_rounding=True` rounds the bf16 buffers stochastically with
+random bits hashed from (`seed`, `step`, buffer, `index_base` + element index): see
+zerokit/optim/rounding.py. Give each shard its own `index_base` (its offset in the parameter
+space) so shards draw independent bits and a resumed or resharded run draws the same ones.
 
 One call is one pass over memory: the gradient is widened, multiplied by `grad_scale` (pass
 clip_coef / loss_scale to unscale and clip in the same pass), the master and state are updated,
@@ -20,7 +29,7 @@ import math
 
 import torch
 
-from zerokit.optim import fallback
+from zerokit.optim import fallback, fallback_bf16
 from zerokit.optim.backend import DTYPE_CODES, NO_DTYPE, native_module, resolve
 
 __all__ = ["adam_step", "adagrad_step", "lion_step", "grad_sq_norm", "bias_correction"]
@@ -67,14 +76,48 @@ def _scalar(name: str, x) -> float:
     return x
 
 
+_STORED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _buffers(master, grad, states: dict, out16):
-    n = _check_buffer("master", master, None, (torch.float32,))
+    n = _check_buffer("master", master, None, _STORED_DTYPES)
     _check_buffer("grad", grad, n, _GRAD_DTYPES)
     for name, t in states.items():
-        _check_buffer(name, t, n, (torch.float32,))
+        _check_buffer(name, t, n, _STORED_DTYPES)
+    if len({t.dtype for t in states.values()}) > 1:
+        raise ValueError("optimizer states must share one dtype; got "
+                         + ", ".join(f"{k}={str(t.dtype).replace('torch.', '')}" for k, t in states.items()))
     if out16 is not None:
         _check_buffer("out16", out16, n, _OUT_DTYPES)
     return n
+
+
+def _storage(master, states: dict, stochastic_rounding, seed, step: int | None,
+             index_base) -> fallback_bf16.Storage | None:
+    """None for all-fp32 buffers (the fused mixed kernel); else the rounding of the bf16 ones."""
+    bf16 = master.dtype == torch.bfloat16 or any(t.dtype == torch.bfloat16 for t in states.values())
+    if not isinstance(stochastic_rounding, bool):
+        raise ValueError(f"stochastic_rounding={stochastic_rounding!r} must be a bool")
+    if stochastic_rounding and not bf16:
+        raise ValueError("stochastic_rounding=True needs a bf16 master or bf16 optimizer states; "
+                         "every buffer here is fp32")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed={seed!r} must be an int in [0, 2**64)")
+    if not isinstance(index_base, int) or isinstance(index_base, bool) or index_base < 0:
+        raise ValueError(f"index_base={index_base!r} must be an int >= 0")
+    if not bf16:
+        return None
+    if stochastic_rounding and step is None:
+        raise ValueError("stochastic_rounding=True needs step= (it keys the random bits)")
+    return fallback_bf16.Storage(stochastic_rounding, seed, step or 1, index_base)
+
+
+def _storage_args(master, states: dict, st: fallback_bf16.Storage | None) -> dict:
+    if st is None:
+        return {}
+    state_dtype = next(iter(states.values())).dtype
+    return dict(param_dtype=DTYPE_CODES[master.dtype], state_dtype=DTYPE_CODES[state_dtype],
+                stochastic=st.stochastic, seed=st.seed, index_base=st.index_base)
 
 
 def _out_args(out16) -> tuple[int, int]:
@@ -85,11 +128,14 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
               weight_decay: float, step: int, adamw: bool, bias_correction: bool = True,
               grad_scale: float = 1.0, out16: torch.Tensor | None = None,
-              impl: str | None = None, threads: int | None = None) -> None:
+              impl: str | None = None, threads: int | None = None,
+              stochastic_rounding: bool = False, seed: int = 0, index_base: int = 0) -> None:
     """One Adam (adamw=False: weight decay added to the gradient, torch.optim.Adam) or AdamW
     (adamw=True: decoupled decay, torch.optim.AdamW) update, in place."""
-    n = _buffers(master, grad, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, out16)
+    states = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    n = _buffers(master, grad, states, out16)
     step = _check_step(step)
+    st = _storage(master, states, stochastic_rounding, seed, step, index_base)
     h = dict(lr=_scalar("lr", lr), beta1=_scalar("beta1", beta1), beta2=_scalar("beta2", beta2),
              eps=_scalar("eps", eps), weight_decay=_scalar("weight_decay", weight_decay),
              grad_scale=_scalar("grad_scale", grad_scale))
@@ -97,6 +143,11 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         return
     chosen = resolve(impl, threads)
     if not chosen.native:
+        if st is not None:
+            fallback_bf16.adam_step(master, grad, exp_avg, exp_avg_sq, step=step, adamw=bool(adamw),
+                                    bias_correction_on=bool(bias_correction), out16=out16,
+                                    storage=st, **h)
+            return
         fallback.adam_step(master, grad, exp_avg, exp_avg_sq, step=step, adamw=bool(adamw),
                            bias_correction_on=bool(bias_correction), out16=out16, **h)
         return
@@ -105,16 +156,20 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         param=master.data_ptr(), grad=grad.data_ptr(), grad_dtype=DTYPE_CODES[grad.dtype],
         exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(), out16=out_ptr,
         out_dtype=out_code, n=n, step=step, adamw=bool(adamw),
-        bias_correction=bool(bias_correction), isa=chosen.isa_code, threads=chosen.threads, **h)
+        bias_correction=bool(bias_correction), isa=chosen.isa_code, threads=chosen.threads, **h,
+        **_storage_args(master, states, st))
 
 
 def adagrad_step(master: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, *, lr: float,
                  eps: float, weight_decay: float, step: int, lr_decay: float = 0.0,
                  grad_scale: float = 1.0, out16: torch.Tensor | None = None,
-                 impl: str | None = None, threads: int | None = None) -> None:
+                 impl: str | None = None, threads: int | None = None,
+                 stochastic_rounding: bool = False, seed: int = 0, index_base: int = 0) -> None:
     """One Adagrad update (torch.optim.Adagrad semantics, L2 weight decay), in place."""
-    n = _buffers(master, grad, {"state_sum": state_sum}, out16)
+    states = {"state_sum": state_sum}
+    n = _buffers(master, grad, states, out16)
     step = _check_step(step)
+    st = _storage(master, states, stochastic_rounding, seed, step, index_base)
     h = dict(lr=_scalar("lr", lr), lr_decay=_scalar("lr_decay", lr_decay), eps=_scalar("eps", eps),
              weight_decay=_scalar("weight_decay", weight_decay),
              grad_scale=_scalar("grad_scale", grad_scale))
@@ -122,22 +177,30 @@ def adagrad_step(master: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tens
         return
     chosen = resolve(impl, threads)
     if not chosen.native:
+        if st is not None:
+            fallback_bf16.adagrad_step(master, grad, state_sum, step=step, out16=out16, storage=st, **h)
+            return
         fallback.adagrad_step(master, grad, state_sum, step=step, out16=out16, **h)
         return
     out_ptr, out_code = _out_args(out16)
     native_module().adagrad(
         param=master.data_ptr(), grad=grad.data_ptr(), grad_dtype=DTYPE_CODES[grad.dtype],
         state_sum=state_sum.data_ptr(), out16=out_ptr, out_dtype=out_code, n=n, step=step,
-        isa=chosen.isa_code, threads=chosen.threads, **h)
+        isa=chosen.isa_code, threads=chosen.threads, **h, **_storage_args(master, states, st))
 
 
 def lion_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
               beta1: float, beta2: float, weight_decay: float, grad_scale: float = 1.0,
               out16: torch.Tensor | None = None, impl: str | None = None,
-              threads: int | None = None) -> None:
-    """One Lion update (decoupled weight decay), in place. Lion has no bias correction, hence no
-    step argument."""
-    n = _buffers(master, grad, {"exp_avg": exp_avg}, out16)
+              threads: int | None = None, stochastic_rounding: bool = False, seed: int = 0,
+              index_base: int = 0, step: int | None = None) -> None:
+    """One Lion update (decoupled weight decay), in place. Lion has no bias correction: `step`
+    (1-based) is needed only to key stochastic rounding."""
+    states = {"exp_avg": exp_avg}
+    n = _buffers(master, grad, states, out16)
+    if step is not None:
+        step = _check_step(step)
+    st = _storage(master, states, stochastic_rounding, seed, step, index_base)
     h = dict(lr=_scalar("lr", lr), beta1=_scalar("beta1", beta1), beta2=_scalar("beta2", beta2),
              weight_decay=_scalar("weight_decay", weight_decay),
              grad_scale=_scalar("grad_scale", grad_scale))
@@ -145,13 +208,17 @@ def lion_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
         return
     chosen = resolve(impl, threads)
     if not chosen.native:
+        if st is not None:
+            fallback_bf16.lion_step(master, grad, exp_avg, out16=out16, storage=st, **h)
+            return
         fallback.lion_step(master, grad, exp_avg, out16=out16, **h)
         return
     out_ptr, out_code = _out_args(out16)
     native_module().lion(
         param=master.data_ptr(), grad=grad.data_ptr(), grad_dtype=DTYPE_CODES[grad.dtype],
         exp_avg=exp_avg.data_ptr(), out16=out_ptr, out_dtype=out_code, n=n,
-        isa=chosen.isa_code, threads=chosen.threads, **h)
+        isa=chosen.isa_code, threads=chosen.threads, **h, **_storage_args(master, states, st),
+        **({"step": st.step} if st is not None else {}))
 
 
 def grad_sq_norm(grad: torch.Tensor, *, impl: str | None = None,

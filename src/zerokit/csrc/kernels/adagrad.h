@@ -15,17 +15,16 @@ struct AdagradOp {
         neg_clr(S::set1(s.neg_clr)), l2(s.l2) {}
 
   // Same order as torch.optim.Adagrad: sum += g*g; std = sqrt(sum) + eps; p += (-clr * g) / std.
-  template <DType G, DType O, bool NT>
-  void apply(const StepBuffers& b, int64_t i) const {
-    F g = S::mul(load_grad<S, G>(b.grad, i), grad_scale);
-    F p = S::load(b.param + i);
-    if (l2) g = S::fmadd(p, l2_decay, g);
-    const F sum = S::add(S::load(b.state0 + i), S::mul(g, g));
+  template <class IO>
+  void apply(const StepBuffers& b, int64_t i, int64_t at) const {
+    F g = S::mul(IO::grad(b, i), grad_scale);
+    F p = IO::param(b, i);
+    if (l2) g = IO::madd(p, l2_decay, g);
+    const F sum = S::add(IO::state0(b, i), S::mul(g, g));
     const F std_ = S::add(S::sqrt(sum), eps);
     p = S::add(p, S::div(S::mul(neg_clr, g), std_));
-    S::store(b.state0 + i, sum);
-    S::store(b.param + i, p);
-    store_out16<S, O, NT>(b.out16, i, p);
+    IO::put_state0(b, i, at, sum);
+    IO::put_param(b, i, at, p);
   }
 };
 

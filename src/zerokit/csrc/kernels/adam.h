@@ -22,24 +22,24 @@ struct AdamOp {
 
   // The order of operations follows torch.optim.Adam's single-tensor path (lerp_ for exp_avg,
   // mul_/addcmul_ for exp_avg_sq, addcdiv_ for the param) so the two agree to an ulp or so.
-  template <DType G, DType O, bool NT>
-  void apply(const StepBuffers& b, int64_t i) const {
-    F g = S::mul(load_grad<S, G>(b.grad, i), grad_scale);
-    F p = S::load(b.param + i);
-    if (l2) g = S::fmadd(p, l2_decay, g);
+  // IO::madd is fused for fp32 storage only (see Io in stream.h).
+  template <class IO>
+  void apply(const StepBuffers& b, int64_t i, int64_t at) const {
+    F g = S::mul(IO::grad(b, i), grad_scale);
+    F p = IO::param(b, i);
+    if (l2) g = IO::madd(p, l2_decay, g);
     if (decoupled) p = S::mul(p, param_decay);
-    F m = S::load(b.state0 + i);
-    m = S::fmadd(one_minus_beta1, S::sub(g, m), m);
-    F v = S::load(b.state1 + i);
-    v = S::fmadd(S::mul(one_minus_beta2, g), g, S::mul(v, beta2));
+    F m = IO::state0(b, i);
+    m = IO::madd(one_minus_beta1, S::sub(g, m), m);
+    F v = IO::state1(b, i);
+    v = IO::madd(S::mul(one_minus_beta2, g), g, S::mul(v, beta2));
     // Multiplying by 1/sqrt(bias_correction2) instead of dividing saves a division per element;
     // it moves denom by at most an ulp.
-    const F denom = S::fmadd(S::sqrt(v), inv_bc2_sqrt, eps);
+    const F denom = IO::madd(S::sqrt(v), inv_bc2_sqrt, eps);
     p = S::add(p, S::div(S::mul(neg_step_size, m), denom));
-    S::store(b.state0 + i, m);
-    S::store(b.state1 + i, v);
-    S::store(b.param + i, p);
-    store_out16<S, O, NT>(b.out16, i, p);
+    IO::put_state0(b, i, at, m);
+    IO::put_state1(b, i, at, v);
+    IO::put_param(b, i, at, p);
   }
 };
 

@@ -13,6 +13,7 @@
 
 #include "kernels/isa_table.h"
 #include "kernels/simd.h"
+#include "kernels/sr_hash.h"
 
 namespace zk {
 namespace {
@@ -35,6 +36,12 @@ void check_dtypes(const StepBuffers& b) {
   if (g < 0 || g > 2) throw std::invalid_argument("grad dtype code " + std::to_string(g) + " is not f32/bf16/f16 (0/1/2)");
   if (b.out16 ? (o < 1 || o > 2) : o != -1)
     throw std::invalid_argument("out16 dtype code " + std::to_string(o) + " is not bf16/f16 (1/2), or -1 without out16");
+  for (const DType d : {b.param_dtype, b.state_dtype}) {
+    if (d != DType::f32 && d != DType::bf16)
+      throw std::invalid_argument("master/state dtype code " + std::to_string(static_cast<int>(d)) + " is not f32/bf16 (0/1)");
+  }
+  if (b.round.stochastic && b.param_dtype != DType::bf16 && b.state_dtype != DType::bf16)
+    throw std::invalid_argument("stochastic rounding needs a bf16 master or bf16 states; every buffer here is f32");
 }
 
 // Element ranges are split in multiples of 64 so every thread starts on a cache line of every
@@ -107,6 +114,13 @@ bool has_openmp() {
   return false;
 #endif
 }
+
+Rounding rounding(bool stochastic, uint64_t seed, int64_t step, int64_t index_base) {
+  if (!stochastic) return Rounding{false, 0, 0, 0, index_base};
+  return Rounding{true, sr_key(seed, step, 0), sr_key(seed, step, 1), sr_key(seed, step, 2), index_base};
+}
+
+uint32_t stochastic_key(uint64_t seed, int64_t step, uint32_t buffer) { return sr_key(seed, step, buffer); }
 
 double bias_correction(double beta, int64_t step) {
   return 1.0 - std::pow(beta, static_cast<double>(step));

@@ -39,12 +39,16 @@ struct LionHyper {
   double grad_scale;
 };
 
+// The Rounding of one call (keys of master, state0, state1 for this seed and step).
+Rounding rounding(bool stochastic, uint64_t seed, int64_t step, int64_t index_base);
+uint32_t stochastic_key(uint64_t seed, int64_t step, uint32_t buffer);
+
 // Scalars exactly as the kernels see them (exposed so the fallback and tests can check them).
 AdamScalars adam_scalars(const AdamHyper& h);
 AdagradScalars adagrad_scalars(const AdagradHyper& h);
 LionScalars lion_scalars(const LionHyper& h);
 
-// Buffers as in StepBuffers: Adam uses state0 = exp_avg, state1 = exp_avg_sq; Adagrad state0 =
+// Buffers as in StepBuffers (master and states f32 or bf16, see there): Adam uses state0 = exp_avg, state1 = exp_avg_sq; Adagrad state0 =
 // state_sum; Lion state0 = exp_avg. Throw std::invalid_argument on an unsupported isa or dtype.
 void adam_step(const StepBuffers& b, int64_t n, const AdamHyper& h, Isa isa, int threads);
 void adagrad_step(const StepBuffers& b, int64_t n, const AdagradHyper& h, Isa isa, int threads);

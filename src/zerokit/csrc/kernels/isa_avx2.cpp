@@ -7,6 +7,8 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "kernels/sr_hash.h"  // baseline code: dispatch.cpp calls the same inline functions
+
 ZK_TARGET_PUSH_AVX2
 #include "kernels/simd_avx2.h"
 #include "kernels/adagrad.h"

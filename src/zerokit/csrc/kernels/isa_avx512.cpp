@@ -5,6 +5,8 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "kernels/sr_hash.h"  // baseline code: dispatch.cpp calls the same inline functions
+
 ZK_TARGET_PUSH_AVX512
 #include "kernels/simd_avx512.h"
 #include "kernels/adagrad.h"

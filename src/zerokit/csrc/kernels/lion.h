@@ -21,18 +21,17 @@ struct LionOp {
   // Each blend is round(m*beta) then fused with g*(1-beta), which is what torch's
   // m.mul(beta).add(g, alpha=1-beta) computes; matching it matters because a last-bit difference
   // near zero flips the sign and moves the param by 2*lr.
-  template <DType G, DType O, bool NT>
-  void apply(const StepBuffers& b, int64_t i) const {
-    const F g = S::mul(load_grad<S, G>(b.grad, i), grad_scale);
-    F p = S::load(b.param + i);
-    F m = S::load(b.state0 + i);
+  template <class IO>
+  void apply(const StepBuffers& b, int64_t i, int64_t at) const {
+    const F g = S::mul(IO::grad(b, i), grad_scale);
+    F p = IO::param(b, i);
+    F m = IO::state0(b, i);
     if (decoupled) p = S::mul(p, param_decay);
-    const F c = S::fmadd(g, one_minus_beta1, S::mul(m, beta1));
-    p = S::fmadd(S::sign(c), neg_lr, p);
-    m = S::fmadd(g, one_minus_beta2, S::mul(m, beta2));
-    S::store(b.state0 + i, m);
-    S::store(b.param + i, p);
-    store_out16<S, O, NT>(b.out16, i, p);
+    const F c = IO::madd(g, one_minus_beta1, S::mul(m, beta1));
+    p = IO::madd(S::sign(c), neg_lr, p);
+    m = IO::madd(g, one_minus_beta2, S::mul(m, beta2));
+    IO::put_state0(b, i, at, m);
+    IO::put_param(b, i, at, p);
   }
 };
 

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "kernels/sr_hash.h"
+
 namespace zk {
 
 struct Avx2 {
@@ -46,6 +48,26 @@ struct Avx2 {
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     // packus works within 128-bit lanes; the permute brings the two halves together.
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+  }
+  // sr_bits (sr_hash.h) for lanes index0 .. index0 + 7.
+  static __m256i sr_random(uint32_t key, uint32_t index0) {
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    x = _mm256_xor_si256(_mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kIndexMul))),
+                         _mm256_set1_epi32(static_cast<int>(key)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    return _mm256_srli_epi32(x, 16);
+  }
+  // Stochastic rounding (step_args.h, Rounding): add the random bits, truncate; NaN -> 0x7FC0.
+  static void store_bf16_sr(uint16_t* p, F x, uint32_t key, uint32_t index0) {
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), sr_random(key, index0)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8)));
   }
   static __m128i narrow_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
   static void store_bf16(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow_bf16(x)); }

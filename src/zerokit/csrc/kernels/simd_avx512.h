@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "kernels/sr_hash.h"
+
 namespace zk {
 
 struct Avx512 {
@@ -44,6 +46,25 @@ struct Avx512 {
     r = _mm512_srli_epi32(r, 16);
     r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
     return _mm512_cvtepi32_epi16(r);
+  }
+  // sr_bits (sr_hash.h) for lanes index0 .. index0 + 15.
+  static __m512i sr_random(uint32_t key, uint32_t index0) {
+    __m512i x = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index0)),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    x = _mm512_xor_si512(_mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kIndexMul))),
+                         _mm512_set1_epi32(static_cast<int>(key)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    return _mm512_srli_epi32(x, 16);
+  }
+  // Stochastic rounding (step_args.h, Rounding): add the random bits, truncate; NaN -> 0x7FC0.
+  static void store_bf16_sr(uint16_t* p, F x, uint32_t key, uint32_t index0) {
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), sr_random(key, index0)), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
   static __m256i narrow_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static void store_bf16(uint16_t* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16(x)); }

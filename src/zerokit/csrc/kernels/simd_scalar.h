@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/sr_hash.h"
+
 namespace zk {
 
 struct Scalar {
@@ -36,6 +38,11 @@ struct Scalar {
     if (x != x) { *p = 0x7FC0; return; }
     const uint32_t u = bits(x);
     *p = static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+  }
+  // Stochastic rounding (step_args.h, Rounding): add 16 random bits below the kept ones, truncate.
+  static void store_bf16_sr(uint16_t* p, F x, uint32_t key, uint32_t index0) {
+    if (x != x) { *p = 0x7FC0; return; }
+    *p = static_cast<uint16_t>((bits(x) + sr_bits(key, index0)) >> 16);
   }
   static F load_f16(const uint16_t* p) {
     const uint32_t w = static_cast<uint32_t>(*p) << 16;

@@ -10,16 +10,33 @@ namespace zk {
 // binding's ABI (zerokit/optim/backend.py holds the same table).
 enum class DType : int { none = -1, f32 = 0, bf16 = 1, f16 = 2 };
 
+// How the kernel narrows an fp32 result into a bf16 master or state buffer. Round-to-nearest-even
+// is the default; stochastic rounding adds 16 random bits below the kept ones before truncating,
+// so a value rounds up with probability equal to its distance from the lower bf16 neighbour and
+// small updates survive on average. The random bits are a counter-based hash (see sr_hash.h) of
+// a key per buffer (from seed, step, buffer) and the element's index (index_base + position),
+// never a stateful generator: every ISA, the fallback, any thread split and a resumed run agree.
+struct Rounding {
+  bool stochastic;
+  uint32_t key_param, key_state0, key_state1;  // sr_key(seed, step, 0/1/2), see dispatch.h
+  int64_t index_base;                          // index of element 0 in the rounding stream
+};
+
 // The buffers one step touches, all flat, contiguous and `n` elements long. `state0`/`state1` are
 // exp_avg/exp_avg_sq for Adam, state_sum for Adagrad, exp_avg for Lion (unused ones are null).
+// The master (`param`) and the states are fp32 or bf16 (param_dtype, state_dtype); math is fp32
+// either way: bf16 loads widen exactly, bf16 stores round as `round` says.
 struct StepBuffers {
-  float* param;
+  void* param;
   const void* grad;
   DType grad_dtype;
-  float* state0;
-  float* state1;
+  void* state0;
+  void* state1;
   void* out16;  // null, or bf16/f16 copy of the updated param
   DType out_dtype;
+  DType param_dtype = DType::f32;
+  DType state_dtype = DType::f32;
+  Rounding round = {false, 0, 0, 0, 0};
 };
 
 // Scalars are computed once per call in double by the dispatcher (see dispatch.cpp), then rounded
