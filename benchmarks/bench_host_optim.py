@@ -6,6 +6,10 @@
     DeepSpeedCPUAdam (when deepspeed is importable).
 (b) the mixed-precision host step (bf16 gradient in, unscale x clip, fp32 update, bf16 weights
     out) vs the same work composed from torch ops, and vs DeepSpeedCPUAdam plus its casts.
+(c) compressed state (issue #27): the same fused step with a bf16 master and fp32 moments, with
+    bf16 master and moments (round-to-nearest and stochastic rounding), vs the fp32-state kernel.
+
+    --cases fp32,mixed,bf16_state   picks the groups to run (default: all)
 
 Rows of one size are timed round-robin (one step each per round), so load from other processes
 on a shared machine hits them alike. Each row reports the median of --steps timed steps (after
@@ -35,7 +39,10 @@ GRAD_SCALE = 0.5 / 1024  # clip coefficient / loss scale
 #   fp32 AdamW step          read p g m v (16), write p m v (12)                      = 28
 #   fused mixed host step    read g16 (2) p m v (12), write p m v (12), w16 (2)      = 28
 #   upcast g16 -> g32        read 2, write 4 = 6;  unscale g32 in place 8;  downcast p -> w16 6
-BYTES = {"fp32": 28, "mixed_fused": 28, "upcast": 6, "unscale": 8, "downcast": 6}
+#   bf16 master, fp32 moments   read g16 p16 m v (12), write p16 m v (10), w16 (2)     = 24
+#   bf16 master and moments     read g16 p16 m16 v16 (8), write p16 m16 v16 (6), w16 (2) = 16
+BYTES = {"fp32": 28, "mixed_fused": 28, "upcast": 6, "unscale": 8, "downcast": 6,
+         "bf16_master": 24, "bf16_all": 16}
 
 
 def timed(fn: Callable[[], None], steps: int, warmup: int = 2) -> dict:
@@ -81,14 +88,16 @@ def deepspeed_adam():
     return DeepSpeedCPUAdam, None
 
 
-def _zerokit_step(p, grad, *, threads, grad_scale=1.0, out16=None):
-    m, v, count = torch.zeros_like(p), torch.zeros_like(p), [0]
+def _zerokit_step(p, grad, *, threads, grad_scale=1.0, out16=None, state_dtype=None,
+                  stochastic=False):
+    m = torch.zeros_like(p, dtype=state_dtype or p.dtype)
+    v, count = torch.zeros_like(m), [0]
 
     def step():
         count[0] += 1
         host.adam_step(p, grad, m, v, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
                        weight_decay=WD, step=count[0], adamw=True, grad_scale=grad_scale,
-                       out16=out16, threads=threads)
+                       out16=out16, threads=threads, stochastic_rounding=stochastic)
 
     return step
 
@@ -118,7 +127,7 @@ def _composed(opt_step, param, g16, g32, out16, unscale: bool):
     return step
 
 
-def bench_size(n: int, steps: int, threads: int, ds_cls) -> list[dict]:
+def bench_size(n: int, steps: int, threads: int, ds_cls, cases: set[str]) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen)
@@ -128,6 +137,8 @@ def bench_size(n: int, steps: int, threads: int, ds_cls) -> list[dict]:
     fns: list = []
 
     def row(case, name, nbytes, fn):
+        if case not in cases:
+            return
         rows.append({"case": case, "impl": name, "n": n, "bytes_per_param": nbytes, "time": None,
                      "note": None if fn is not None else "deepspeed: not installed"})
         fns.append(fn)
@@ -160,6 +171,19 @@ def bench_size(n: int, steps: int, threads: int, ds_cls) -> list[dict]:
         fn = None
     row("mixed", "DeepSpeedCPUAdam + upcast, mul_, downcast", composed, fn)
 
+    # (c) compressed state: the fused step of (b) with bf16 master and/or moments
+    bf16 = torch.bfloat16
+    row("bf16_state", "zerokit fused, fp32 master+moments", BYTES["mixed_fused"],
+        _zerokit_step(p.clone(), g16, threads=threads, grad_scale=GRAD_SCALE, out16=out16))
+    row("bf16_state", "zerokit fused, bf16 master, fp32 moments", BYTES["bf16_master"],
+        _zerokit_step(p.to(bf16), g16, threads=threads, grad_scale=GRAD_SCALE, out16=out16,
+                      state_dtype=torch.float32))
+    row("bf16_state", "zerokit fused, bf16 master+moments", BYTES["bf16_all"],
+        _zerokit_step(p.to(bf16), g16, threads=threads, grad_scale=GRAD_SCALE, out16=out16))
+    row("bf16_state", "zerokit fused, bf16 master+moments, stochastic", BYTES["bf16_all"],
+        _zerokit_step(p.to(bf16), g16, threads=threads, grad_scale=GRAD_SCALE, out16=out16,
+                      stochastic=True))
+
     live = [i for i, fn in enumerate(fns) if fn is not None]
     for i, res in zip(live, timed_interleaved([fns[i] for i in live], steps)):
         rows[i]["time"] = res
@@ -171,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="10e6,100e6", help="comma-separated parameter counts")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per row (median reported)")
     ap.add_argument("--threads", type=int, default=2, help="threads for every implementation")
+    ap.add_argument("--cases", default="fp32,mixed,bf16_state", help="groups of rows to run")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
     args = ap.parse_args(argv)
     if args.steps < 10:
@@ -188,7 +213,7 @@ def main(argv=None) -> int:
 
     rows = []
     for n in sizes:
-        rows += bench_size(n, args.steps, args.threads, ds_cls)
+        rows += bench_size(n, args.steps, args.threads, ds_cls, set(args.cases.split(",")))
 
     table, best = [], {}
     for r in rows:
@@ -213,6 +238,13 @@ def main(argv=None) -> int:
             if other:
                 print(f"{r['case']} {r['n'] / 1e6:g}M: zerokit {r['ms']:.2f} ms, best other "
                       f"{other:.2f} ms -> {other / r['ms']:.2f}x")
+    base = {r["n"]: r["ms"] for r in rows
+            if r["case"] == "bf16_state" and "ms" in r and "fp32 master+moments" in r["impl"]}
+    for r in rows:
+        if r["case"] == "bf16_state" and "ms" in r and r["n"] in base:
+            r["speedup_vs_fp32_state"] = base[r["n"]] / r["ms"]
+            print(f"bf16_state {r['n'] / 1e6:g}M: {r['impl']}: {r['ms']:.2f} ms, "
+                  f"{r['speedup_vs_fp32_state']:.2f}x the fp32-state kernel")
     path = write_json("bench_host_optim", {
         "machine": machine_info(), "kernel": info, "threads": args.threads, "steps": args.steps,
         "stream_bandwidth_bytes_per_s": bw, "deepspeed": ds_why or "installed", "rows": rows},
