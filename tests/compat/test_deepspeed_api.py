@@ -236,8 +236,11 @@ def test_ops_signatures_follow_deepspeed():
     assert cpu_adam.param_groups[0]["bias_correction"] is False and cpu_adam.param_groups[0]["adamw_mode"]
     assert DeepSpeedCPULion(params).param_groups[0]["betas"] == (0.9, 0.999)  # DeepSpeed's defaults
     assert DeepSpeedCPUAdagrad(params).param_groups[0]["lr"] == 1e-2
-    with pytest.raises(ValueError, match="fp32_optimizer_states"):
-        DeepSpeedCPUAdam(params, fp32_optimizer_states=False)
+    # fp32_optimizer_states=False: moments in the parameters' dtype (engine/bf16_state.py)
+    assert DeepSpeedCPUAdam(params, fp32_optimizer_states=False).fp32_optimizer_states is False
+    assert DeepSpeedCPULion(params, fp32_optimizer_states=False).defaults["fp32_optimizer_states"] is False
+    with pytest.raises(ValueError, match="fp32_optimizer_states='no' must be a bool"):
+        DeepSpeedCPUAdagrad(params, fp32_optimizer_states="no")
 
 
 def test_accelerator_comm_and_utils_on_one_process():

@@ -213,7 +213,14 @@ def test_every_table_entry_is_a_deepspeed_key() -> None:
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size=2 is refused"),
     ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}},
      "gradient_allreduce_op='sum' is not supported with ZeRO stage 3"),
-    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16_master_weights_and_grads"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+     "bf16.bf16_optimizer_states=true needs bf16.bf16_master_weights_and_grads=true"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 0}},
+     "needs zero_optimization.stage 1, 2 or 3"),
+    ({"bf16": {"enabled": False, "bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 1}},
+     "bf16.bf16_master_weights_and_grads=true needs bf16.enabled=true"),
+    ({"bf16": {"enabled": True, "stochastic_rounding": True}, "zero_optimization": {"stage": 1}},
+     "bf16.stochastic_rounding=true needs bf16.bf16_master_weights_and_grads=true"),
     ({"elasticity": {"enabled": False}}, "removed from DeepSpeed itself"),
 ])
 def test_refused_keys_name_themselves(raw, fragment) -> None:

@@ -43,7 +43,11 @@ def explain(engine: "Engine") -> str:
     frozen = sum(u.numel for u in units if not u.trainable)
     masters = sum(u.opt_range[1] - u.opt_range[0] for u in units if u.trainable)
     opt_name = type(engine.optimizer).__name__
+    placement = getattr(engine, "placement", None)
+    master, state = _storage_names(placement)
     per_elem = STATE_BYTES_PER_ELEMENT.get(opt_name)
+    if per_elem and state == "bf16":
+        per_elem //= 2  # the table counts fp32 state
     state_now = ledger.bytes(kind="optimizer_state")
     state_line = (f"{mib(state_now)} (measured)" if state_now else
                   f"~{mib(per_elem * masters)} ({per_elem} B x {masters:,} master elements, "
@@ -53,7 +57,9 @@ def explain(engine: "Engine") -> str:
         "zerokit plan",
         f"  world: {comm.world_size} rank(s), backend {comm.backend}, device {comm.device}",
         f"  {engine.policy.describe()}",
-        f"  precision: compute {cfg.compute_dtype_name}, master fp32, gradient reduction "
+        f"  precision: compute {cfg.compute_dtype_name}, master {master}, optimizer state {state}"
+        + (" (bf16.stochastic_rounding)" if placement is not None and placement.stochastic_rounding
+           else "") + ", gradient reduction "
         f"{str(units[0].reduce_dtype).replace('torch.', '')}"
         + (f", loss scale {engine.loss_scaler.scale:g} ({'dynamic' if engine.loss_scaler.dynamic else 'static'})"
            if cfg.fp16.enabled else "")
@@ -62,7 +68,7 @@ def explain(engine: "Engine") -> str:
         f"{engine.gradient_accumulation_steps()} x world {comm.world_size}",
         f"  parameters: {trainable:,} trainable, {frozen:,} frozen, in {len(units)} units "
         f"(largest: {largest.name}, {largest.numel:,})",
-        f"  optimizer: {opt_name} over {masters:,} fp32 master elements on this rank; state {state_line}",
+        f"  optimizer: {opt_name} over {masters:,} {master} master elements on this rank; state {state_line}",
         f"  gradient clipping: {cfg.gradient_clipping or 'off'}; reduce buckets of "
         f"{cfg.zero_optimization.reduce_bucket_size:,} elements, "
         + ("overlapping backward" if cfg.zero_optimization.overlap_comm else
@@ -71,6 +77,15 @@ def explain(engine: "Engine") -> str:
         ledger.format(f"  bytes on rank {comm.rank} (before the first step)"),
     ]
     return "\n".join(lines)
+
+
+def _storage_names(placement) -> tuple[str, str]:
+    """(master dtype, state dtype) as the plan prints them (bf16.bf16_master_weights_and_grads,
+    bf16.bf16_optimizer_states: engine/bf16_state.py)."""
+    if placement is None:
+        return "fp32", "fp32"
+    name = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}
+    return name[str(placement.master_dtype)], name[str(placement.state_dtype)]
 
 
 def _offload_lines(engine: "Engine") -> list[str]:

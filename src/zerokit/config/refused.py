@@ -63,10 +63,6 @@ REFUSED: dict[str, Refused] = {
         accepted=_all_off),
     "zero_optimization.offload_optimizer.super_offload": Refused(
         "SuperOffload (a different host-update schedule) is not implemented", accepted=(False,)),
-    "bf16.bf16_master_weights_and_grads": Refused(
-        f"bf16 master weights and gradients instead of fp32: {_CHANGES_MATH}", accepted=(False,)),
-    "bf16.bf16_optimizer_states": Refused(
-        f"bf16 optimizer states instead of fp32: {_CHANGES_MATH}", accepted=(False,)),
     "bf16.check_grad_overflow": Refused(
         "skipping a bf16 step on inf/nan gradients is not implemented (zerokit skips steps only "
         "with dynamic fp16 loss scaling): ignoring it would apply such steps", accepted=(False,)),

@@ -157,6 +157,20 @@ class FP16Config(_Section):
 
 class BF16Config(_Section):
     enabled: bool = False
+    bf16_master_weights_and_grads: bool = Field(
+        False, description="The master weights and the gradients the optimizer reads are bf16 "
+                           "(DeepSpeed 0.18+; stages 1-3). Offloaded parts: the host kernel keeps "
+                           "fp32 math, loads widen and stores round (zerokit/optim/host.py).")
+    bf16_optimizer_states: bool = Field(
+        False, description="Adam's moments (Adagrad's sum, Lion's exp_avg) are bf16 too; needs "
+                           "bf16_master_weights_and_grads (as DeepSpeed).")
+    stochastic_rounding: bool = Field(
+        False, description="zerokit: round the bf16 master (and bf16 states) stochastically on the "
+                           "host kernel, so updates below half an ulp survive on average; "
+                           "reproducible from stochastic_rounding_seed, the step and the element "
+                           "(zerokit/optim/rounding.py). Needs bf16_master_weights_and_grads.")
+    stochastic_rounding_seed: Int = Field(
+        0, ge=0, lt=2**64, description="zerokit: the seed of stochastic_rounding's random bits.")
 
 
 class DelayedUpdateConfig(_Section):
@@ -472,6 +486,7 @@ class ZeroKitConfig(_Section):
         if self.gradient_allreduce_op == "sum" and self.zero_optimization.stage == 3:
             raise ValueError("gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (as in "
                              "DeepSpeed): use 'mean', or stage 0-2")
+        self._check_bf16_state()
         off = self.zero_optimization.offload_optimizer
         if off.step_in_backward:
             # Each of these needs every gradient of the step before any part may be updated.
@@ -485,6 +500,22 @@ class ZeroKitConfig(_Section):
                 if bad:
                     raise ValueError(f"{key} needs {why}")
         return self
+
+    def _check_bf16_state(self) -> None:
+        """DeepSpeed's rules for bf16 master weights and states (runtime/config.py), by key."""
+        b = self.bf16
+        if b.bf16_optimizer_states and not b.bf16_master_weights_and_grads:
+            raise ValueError("bf16.bf16_optimizer_states=true needs bf16.bf16_master_weights_and_grads"
+                             "=true (as in DeepSpeed)")
+        if b.stochastic_rounding and not b.bf16_master_weights_and_grads:
+            raise ValueError("bf16.stochastic_rounding=true needs bf16.bf16_master_weights_and_grads"
+                             "=true: it rounds the bf16 master")
+        if b.bf16_master_weights_and_grads:
+            if not b.enabled:
+                raise ValueError("bf16.bf16_master_weights_and_grads=true needs bf16.enabled=true")
+            if self.zero_optimization.stage == 0:
+                raise ValueError("bf16.bf16_master_weights_and_grads=true needs zero_optimization.stage "
+                                 "1, 2 or 3 (got 0; as in DeepSpeed)")
 
     def gradient_reduction_scales(self, world_size: int) -> tuple[float, float | None]:
         """(factor before, factor after) the gradients' sum over ranks, DeepSpeed's rule: by

@@ -23,7 +23,7 @@ from zerokit.units.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
 from zerokit.parts.executors import HELD_PARTS, DeviceExecutor, HostExecutor
-from zerokit.engine import host_budget, nvme_plan
+from zerokit.engine import bf16_state, host_budget, nvme_plan
 from zerokit.parts.nvme_executor import NvmeExecutor, StreamSettings, buffer_set_bytes
 from zerokit.optim.recipe import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
@@ -76,8 +76,9 @@ def initialize(model: nn.Module, optimizer: Any = None,
         placement = _auto_ratio(placement, plan, comm.device, dtype)
     # Where every byte goes is decided here, before anything is allocated: a plan the host
     # cannot hold is refused with the numbers (engine/host_budget.py).
+    placement = bf16_state.with_state_dtypes(cfg, placement, optimizer)
     layouts = plan(placement)
-    need = host_budget.host_need(layouts, recipe.kind)
+    need = host_budget.host_need(layouts, recipe.kind, placement.state_dtype)
     if placement.step_in_backward:  # gradients held until stepped (HELD_PARTS), and one landing
         need.grads += (HELD_PARTS + 1) * 4 * max((lay.host_numel + lay.nvme_numel for lay in layouts),
                                                  default=0)
@@ -119,6 +120,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
                for g in range(len(recipe.hyper))]
     torch_optimizer = build_optimizer(recipe, masters)
     scheduler = _scheduler(cfg, lr_scheduler, torch_optimizer, optimizer)
+    bf16_state.configure_parts(units, placement)  # before the executors allocate the state
     executors = _executors(units, placement, torch_optimizer, ledger)
     if any(p.tier is TierName.NVME for u in units for p in u.parts):  # after the host executor (its
         # worker overlaps the stream), before torch

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 import psutil
+import torch
 
 from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
 from zerokit.policy import PlacementPolicy
@@ -46,16 +47,20 @@ _FIELD = {"weights": "weights", "master": "master", "grads": "grads", "buffers":
           "optimizer_state": "state"}
 
 
-def host_need(layouts: list, optimizer_kind: str | None) -> HostNeed:
+def host_need(layouts: list, optimizer_kind: str | None,
+              state_dtype: torch.dtype = torch.float32) -> HostNeed:
     """The host bytes the units' layouts allocate (policy/layout.py records on the host tier), plus
     the host parts' optimizer state, allocated at bind; an optimizer of unknown kind is counted
-    as Adam (8 bytes per element)."""
+    as Adam (8 bytes per element in fp32, 4 in bf16: bf16.bf16_optimizer_states)."""
     need = HostNeed()
+    per_element = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
+    if state_dtype == torch.bfloat16:
+        per_element //= 2  # the table counts fp32 states
     for layout in layouts:
         for kind, nbytes in layout.bytes(TierName.HOST).items():
             field = _FIELD[kind]
             setattr(need, field, getattr(need, field) + nbytes)
-        need.state += STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8) * layout.host_numel
+        need.state += per_element * layout.host_numel
     return need
 
 

@@ -37,6 +37,10 @@ class HostPart(PartSpan):
         self._staged: list[tuple[CopyHandle, int, int]] = []  # copies in flight
         self.grad_in_flight: torch.Tensor | None = None  # the buffer the running update reads
         self.busy = None  # the executor worker that may write master/state (executors.WorkerDone)
+        # bf16.bf16_optimizer_states: the state's dtype; bf16.stochastic_rounding: the host
+        # kernel's rounding arguments (set by the engine, engine/bf16_state.py `configure_parts`)
+        self.state_dtype = torch.float32
+        self.rounding: dict = {}
 
     def begin_step(self, worker_done) -> None:
         """The executor's worker steps this part next: counted, the gradient it reads taken
@@ -47,7 +51,8 @@ class HostPart(PartSpan):
 
     def operands(self) -> KernelOperands:
         """The kernel's arguments: the whole part (the worker's, after begin_step)."""
-        return KernelOperands(self.master, self.grad_in_flight, self.state, self.out16, self.steps)
+        return KernelOperands(self.master, self.grad_in_flight, self.state, self.out16, self.steps,
+                              self.rounding)
 
     @property
     def grad(self) -> torch.Tensor:
@@ -59,7 +64,7 @@ class HostPart(PartSpan):
             return
         for key in STATE_NAMES[family]:
             self.state[key] = self._tier.allocate(f"{self.unit.name}/host_state.{key}",
-                                                  "optimizer_state", self.numel, torch.float32)
+                                                  "optimizer_state", self.numel, self.state_dtype)
             if fill:
                 self.state[key].fill_(fill)
 

@@ -12,7 +12,7 @@ host part whole and the streaming executor builds per sub-group from its buffer 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -31,6 +31,9 @@ class KernelOperands:
     state: dict[str, torch.Tensor]
     out16: torch.Tensor | None
     step: int  # the 1-based bias-correction count of this update
+    # bf16 stores' rounding (zerokit/optim/host.py: stochastic_rounding, seed, index_base); empty:
+    # round to nearest
+    rounding: dict = field(default_factory=dict)
 
 
 class WeightsOut:
@@ -91,7 +94,8 @@ class KernelPart(Protocol):
 
     lo, hi, numel   the part's elements of the unit's flat index space
     unit, tier      its unit; TierName.HOST or TierName.NVME (the executor that steps it)
-    master, state   fp32 master and optimizer state (tensors, or file ranges on the nvme tier)
+    master, state   master and optimizer state, fp32 or bf16 (tensors, or file ranges on the
+                    nvme tier)
     out16, pin      the kernel's 16-bit output (None where there is none) and whether it crosses
                     to a CUDA device asynchronously
     held            with step_in_backward, the parts/held_gradient.py HeldGradient (else None)

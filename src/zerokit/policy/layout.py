@@ -20,8 +20,10 @@ host part's length, `r` = this rank's shard):
     grad_acc     fp32, [0, P)            16-bit compute, accumulation > 1, stage < 2
     master       fp32, [a + k, b)        the device part's master (fp32 compute: the weights)
     master_grad  fp32, [a + k, b)        the device part's reduced gradient (stage 0 fp32: grads)
-    host_master  fp32, [a, a + k)        the host part's master (fp32 + in-place: the host shard)
-    host_grad0/1 fp32, [a, a + k)        the host part's gradient (two with the delayed update,
+    host_master  master, [a, a + k)      the host part's master (fp32 + in-place: the host shard);
+                                         `master` = placement.master_dtype: fp32, or bf16 with
+                                         bf16.bf16_master_weights_and_grads
+    host_grad0/1 master, [a, a + k)      the host part's gradient (two with the delayed update,
                                          none with step_in_backward: held only while in use)
     host_out16   compute dtype, [a, a+k) the host kernel's 16-bit output (in-place: the host shard)
     host_staging fp32, [a, a + k)        pinned landing buffer for device -> host gradients (CUDA)
@@ -32,7 +34,7 @@ host part's length, `r` = this rank's shard):
                  compute dtype on the host (offload_param, no delay: the host shard; none
                  where the shard is on NVMe: the stream writes the new weights to its file)
 The host part's optimizer state is allocated when the optimizer is known (HostPart.init_state),
-through the same host tier, so the ledger counts it as allocated too.
+in placement.state_dtype, through the same host tier, so the ledger counts it as allocated too.
 """
 from __future__ import annotations
 
@@ -217,13 +219,15 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     pin = placement.pin_memory and cuda and torch.cuda.is_available()
     # offload_param without the delay: the host update writes the host shard in place.
     in_place = shard_tier is TierName.HOST and not placement.delayed and partition.shard_weights
-    out = [BufferRecord("host_master", "master", TierName.HOST, f32, lo, hi, pinned=pin,
+    # bf16.bf16_master_weights_and_grads: the master and the gradient the kernel reads are bf16.
+    master = placement.master_dtype
+    out = [BufferRecord("host_master", "master", TierName.HOST, master, lo, hi, pinned=pin,
                         alias_of="shard" if in_place and fp32 else None)]
     # With the delayed update the worker reads one gradient buffer while the next backward fills
     # the other; without it one buffer suffices; stepped in backward, none is kept between steps
     # (parts/held_gradient.py HeldGradient).
     for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1):
-        out.append(BufferRecord(f"host_grad{i}", "grads", TierName.HOST, f32, lo, hi, pinned=pin))
+        out.append(BufferRecord(f"host_grad{i}", "grads", TierName.HOST, master, lo, hi, pinned=pin))
     if not fp32:
         out.append(BufferRecord("host_out16", "buffers", TierName.HOST, compute_dtype, lo, hi,
                                 pinned=pin, alias_of="shard" if in_place else None))

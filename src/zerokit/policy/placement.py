@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from zerokit.tier_names import TierName
 
 # Split points are multiples of this many elements, so the host part starts and ends on a
@@ -49,6 +51,11 @@ class PlacementPolicy:
     step_in_backward: offload_optimizer.step_in_backward: the host and NVMe parts of a unit are
         stepped as soon as backward has reduced its gradient (parts/executors.py); an nvme part's
         gradient is then held in host memory until stepped, never written to a file.
+    master_dtype / state_dtype: the master weights (and the gradients the optimizer reads) and
+        the optimizer state, fp32 or bf16 (bf16.bf16_master_weights_and_grads /
+        bf16_optimizer_states; engine/bf16_state.py decides and checks what is wired).
+    stochastic_rounding / rounding_seed: bf16 stores of the host kernel round stochastically,
+        from this seed (zerokit/optim/rounding.py).
     """
 
     ratio: float = 0.0
@@ -66,6 +73,10 @@ class PlacementPolicy:
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     step_in_backward: bool = False
+    master_dtype: torch.dtype = torch.float32
+    state_dtype: torch.dtype = torch.float32
+    stochastic_rounding: bool = False
+    rounding_seed: int = 0
 
     @classmethod
     def from_config(cls, zero_cfg) -> "PlacementPolicy":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from zerokit.compat.deepspeed.ops.adam import _fp32_states_only
+from zerokit.compat.deepspeed.ops.adam import record_state_precision
 from zerokit.optim import HostAdagrad
 
 __all__ = ["DeepSpeedCPUAdagrad"]
@@ -16,5 +16,5 @@ class DeepSpeedCPUAdagrad(HostAdagrad):
                  weight_decay: float = 0.0, amsgrad: bool = False, fp32_optimizer_states: bool = True):
         if amsgrad:
             raise ValueError("DeepSpeedCPUAdagrad(amsgrad=True) has no meaning for Adagrad; use False")
-        _fp32_states_only(type(self).__name__, fp32_optimizer_states)
         super().__init__(model_params, lr=lr, eps=eps, weight_decay=weight_decay)
+        record_state_precision(self, fp32_optimizer_states)

@@ -32,17 +32,23 @@ class FusedAdam(torch.optim.Adam):
 
 
 class DeepSpeedCPUAdam(HostAdam):
-    """zerokit.optim.HostAdam (the native host kernel) with DeepSpeedCPUAdam's signature."""
+    """zerokit.optim.HostAdam (the native host kernel) with DeepSpeedCPUAdam's signature.
+
+    fp32_optimizer_states=False keeps the moments in the parameters' dtype, as DeepSpeed does: in
+    an engine with bf16.bf16_master_weights_and_grads, bf16 moments (engine/bf16_state.py)."""
 
     def __init__(self, model_params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True):
-        _fp32_states_only(type(self).__name__, fp32_optimizer_states)
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          adamw_mode=adamw_mode, bias_correction=bias_correction, amsgrad=amsgrad)
+        record_state_precision(self, fp32_optimizer_states)
 
 
-def _fp32_states_only(name: str, fp32_optimizer_states: bool) -> None:
-    if not fp32_optimizer_states:
-        raise ValueError(f"{name}(fp32_optimizer_states=False) is not implemented: zerokit's host "
-                         f"optimizers keep fp32 state; use fp32_optimizer_states=True")
+def record_state_precision(optimizer: torch.optim.Optimizer, fp32_optimizer_states: bool) -> None:
+    """Kept as an attribute (what DeepSpeed's engine reads) and in the defaults, so that the
+    optimizer zerokit.initialize rebuilds over the master shards keeps it."""
+    if not isinstance(fp32_optimizer_states, bool):
+        raise ValueError(f"fp32_optimizer_states={fp32_optimizer_states!r} must be a bool")
+    optimizer.fp32_optimizer_states = fp32_optimizer_states
+    optimizer.defaults["fp32_optimizer_states"] = fp32_optimizer_states
