@@ -199,7 +199,7 @@ def test_optimizer_rejects_what_it_cannot_do():
         HostAdam([torch.nn.Parameter(torch.zeros(3))], amsgrad=True)
     with pytest.raises(ValueError, match=r"betas\[1\]=1.0 must be in \[0.0, 1.0\)"):
         HostAdam([torch.nn.Parameter(torch.zeros(3))], betas=(0.9, 1.0))
-    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
-    p.grad = torch.zeros(3, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(3,\)\) is torch.bfloat16"):
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    p.grad = torch.zeros(3, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"fp32 or bf16 CPU parameters; param_groups\[0\]\['params'\]\[0\] \(shape \(3,\)\) is torch.float16"):
         HostAdam([p]).step()

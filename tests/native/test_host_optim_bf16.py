@@ -184,3 +184,32 @@ def test_keys_match_the_native_hash():
         pytest.skip("native extension not built")
     for seed, step, buf in [(0, 1, 0), (2 ** 64 - 1, 2 ** 40 + 3, 2), (123456789, 77, 1)]:
         assert mod.stochastic_key(seed=seed, step=step, buffer=buf) == rounding.sr_key(seed, step, buf)
+
+
+@pytest.mark.parametrize("fp32_states", [True, False])
+def test_deepspeed_cpu_adam_on_bf16_parameters(fp32_states):
+    """DeepSpeedCPUAdam on bf16 parameters (its own use outside an engine): moments in fp32, or
+    bf16 with fp32_optimizer_states=False; against torch's AdamW in fp32 on widened copies,
+    rounded once to bf16 per step (moments too when they are bf16)."""
+    from zerokit.compat.deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    gen = torch.Generator().manual_seed(8)
+    p = torch.nn.Parameter(torch.randn(4099, generator=gen).to(BF16))
+    shadow = torch.nn.Parameter(p.detach().float())
+    opt = DeepSpeedCPUAdam([p], lr=1e-2, weight_decay=0.1, fp32_optimizer_states=fp32_states)
+    ref = torch.optim.AdamW([shadow], lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(5):
+        g = torch.randn(4099, generator=gen)
+        p.grad, shadow.grad = g.to(BF16), g.to(BF16).float()
+        opt.step()
+        with torch.no_grad():
+            shadow.copy_(shadow.to(BF16).float())
+            ref.step()
+            if not fp32_states:
+                for t in (ref.state[shadow]["exp_avg"], ref.state[shadow]["exp_avg_sq"]):
+                    t.copy_(t.to(BF16).float())
+            shadow.copy_(shadow.to(BF16).float())
+        want = shadow.detach().to(BF16)
+        dist = (ordered_bits16(p.detach()) - ordered_bits16(want)).abs()
+        assert int(dist.max()) <= 1 and float((dist != 0).float().mean()) < 5e-3
+    assert {t.dtype for t in opt.state[p].values() if t.dim()} == {F32 if fp32_states else BF16}

@@ -77,6 +77,9 @@ class UnitRecord:
     group_index: int
     compute_dtype: torch.dtype
     params: tuple[ParamRecord, ...]
+    # the saved master's dtype: bf16 with bf16.bf16_master_weights_and_grads (engine/bf16_state.py);
+    # a checkpoint loads into either, converted (bf16 -> fp32 exactly, fp32 -> bf16 rounded once)
+    master_dtype: torch.dtype = torch.float32
 
 
 @dataclass(frozen=True)

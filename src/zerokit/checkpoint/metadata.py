@@ -8,7 +8,8 @@ A tag directory holds
                               optimizer param_groups and per-unit scalar optimizer state (`step`),
                               module buffers
     rank{r:05d}.safetensors   rank r's saved range of every unit, one 1-D tensor per kind:
-                              `{unit}/master` (fp32; trainable units), `{unit}/optim.{key}`
+                              `{unit}/master` (fp32, or the unit's `master_dtype`: bf16 with
+                              bf16.bf16_master_weights_and_grads; trainable units), `{unit}/optim.{key}`
                               (optimizer state shaped like the master: exp_avg, ...),
                               `{unit}/weights` (compute dtype; frozen units, which have no master)
     rank{r:05d}.pt            rank r's RNG states and data-loader position
@@ -82,6 +83,7 @@ def describe(units: list[UnitRecord], world_size: int, stage: int, aliases: dict
             "shard_numel": u.shard_numel, "trainable": u.trainable, "group_index": u.group_index,
             "ranges": [list(saved_range(u, r)) for r in range(world_size)],
             "optim_keys": optim_keys.get(u.name, []),
+            "master_dtype": DTYPE_NAMES[u.master_dtype],
             "params": [{"name": p.fqn, "shape": list(p.shape), "dtype": DTYPE_NAMES[u.compute_dtype],
                         "offset": p.offset, "numel": p.numel} for p in u.params],
         })

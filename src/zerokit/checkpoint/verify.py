@@ -36,7 +36,8 @@ def planned_tensors(meta: dict, rank: int) -> dict[str, tuple[str | None, int]]:
     for u in meta["units"]:
         lo, hi = u["ranges"][rank]
         if u["trainable"]:
-            planned[f"{u['name']}/master"] = ("F32", hi - lo)
+            master = u.get("master_dtype")  # absent before issue #27: fp32
+            planned[f"{u['name']}/master"] = (DTYPES[DTYPE_BY_NAME[master]] if master else "F32", hi - lo)
             for key in u["optim_keys"]:
                 planned[f"{u['name']}/optim.{key}"] = (None, hi - lo)  # the optimizer's dtype
         else:

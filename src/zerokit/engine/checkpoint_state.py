@@ -58,9 +58,11 @@ COUNTERS = ("global_steps", "micro_steps", "skipped_steps", "global_samples")
 
 
 def unit_record(u: "Unit") -> UnitRecord:
+    # One dtype per unit's master: the parts of a bf16-master unit are all host parts (bf16_state.py).
+    master = next((p.master.dtype for p in u.parts), torch.float32)
     return UnitRecord(u.name, u.numel, u.padded_numel, u.shard_numel, u.trainable, u.group_index,
                       u.compute_dtype, tuple(ParamRecord(s.fqn, tuple(s.shape), s.offset, s.numel)
-                                             for s in u.slots))
+                                             for s in u.slots), master)
 
 
 # ---- save ---------------------------------------------------------------------------------------

@@ -53,9 +53,9 @@ class _HostOptimizer(Optimizer):
                 if p.grad is None:
                     continue
                 where = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
-                if p.device.type != "cpu" or p.dtype != torch.float32:
-                    raise ValueError(f"{type(self).__name__} steps fp32 CPU parameters; {where} is "
-                                     f"{p.dtype} on {p.device}")
+                if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(f"{type(self).__name__} steps fp32 or bf16 CPU parameters; "
+                                     f"{where} is {p.dtype} on {p.device}")
                 if p.grad.is_sparse:
                     raise ValueError(f"{type(self).__name__} does not take sparse gradients; {where}")
                 state = self.state[p]
@@ -72,8 +72,11 @@ class _HostOptimizer(Optimizer):
         return loss
 
 
-def _zeros(p: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-    return torch.full(p.shape, fill, dtype=torch.float32)
+def _zeros(p: torch.Tensor, group: dict, fill: float = 0.0) -> torch.Tensor:
+    """A state buffer: fp32, or the parameter's dtype where the group says
+    fp32_optimizer_states=False (DeepSpeedCPUAdam's meaning: bf16 moments for bf16 parameters)."""
+    dtype = torch.float32 if group.get("fp32_optimizer_states", True) else p.dtype
+    return torch.full(p.shape, fill, dtype=dtype)
 
 
 class HostAdam(_HostOptimizer):
@@ -107,8 +110,8 @@ class HostAdam(_HostOptimizer):
                 group["adamw_mode"] = bool(group["decoupled_weight_decay"])
 
     def _init_state(self, p, state, group):
-        state["exp_avg"] = _zeros(p)
-        state["exp_avg_sq"] = _zeros(p)
+        state["exp_avg"] = _zeros(p, group)
+        state["exp_avg_sq"] = _zeros(p, group)
 
     def _update(self, master, grad, state, group, step):
         beta1, beta2 = group["betas"]
@@ -137,7 +140,7 @@ class HostAdagrad(_HostOptimizer):
         super().__init__(params, defaults, impl, threads)
 
     def _init_state(self, p, state, group):
-        state["sum"] = _zeros(p, group["initial_accumulator_value"])
+        state["sum"] = _zeros(p, group, group["initial_accumulator_value"])
 
     def _update(self, master, grad, state, group, step):
         host.adagrad_step(master, grad, state["sum"].view(-1), lr=group["lr"],
@@ -161,7 +164,7 @@ class HostLion(_HostOptimizer):
         super().__init__(params, defaults, impl, threads)
 
     def _init_state(self, p, state, group):
-        state["exp_avg"] = _zeros(p)
+        state["exp_avg"] = _zeros(p, group)
 
     def _update(self, master, grad, state, group, step):
         beta1, beta2 = group["betas"]
