@@ -49,10 +49,11 @@ _FIELD = {"weights": "weights", "master": "master", "grads": "grads", "buffers":
 def host_need(layouts: list, optimizer_kind: str | None) -> HostNeed:
     """The host bytes the units' layouts allocate (policy/layout.py records on the host tier), plus
     the host parts' optimizer state, allocated at bind; an optimizer of unknown kind is counted
-    as Adam (8 bytes per element)."""
+    as Adam (8 bytes per element). Transient records (a weight shard's NVMe buffer) are not:
+    only the read-ahead's few exist at once (engine/assemble.py planned_host_need adds them)."""
     need = HostNeed()
     for layout in layouts:
-        for kind, nbytes in layout.bytes(TierName.HOST).items():
+        for kind, nbytes in layout.bytes(TierName.HOST, transient=False).items():
             field = _FIELD[kind]
             setattr(need, field, getattr(need, field) + nbytes)
         need.state += STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8) * layout.host_numel
