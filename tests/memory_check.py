@@ -36,7 +36,7 @@ def model_source(key: str):
 
 
 def config(case: dict, nvme_dir: str) -> dict:
-    zero = {"stage": case["stage"]}
+    zero = {"stage": case["stage"], **case.get("zero", {})}
     for key in ("offload_optimizer", "offload_param"):
         if case.get(key, "none") != "none":
             zero[key] = {"device": case[key], "nvme_path": nvme_dir}
@@ -82,7 +82,14 @@ def compare(key: str, world: int, cases: list[dict], measured: list[dict], nvme_
 def grid() -> list[dict]:
     from zerokit.memory import choices
 
-    return [dict(c, dtype="bf16") for c in choices()]
+    # stage 3 with no unit kept gathered (no persistence, no reuse): the prefetch decides the peak, with
+    # the default bucket (every next unit fits) and with one that holds one block
+    lean = [{"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0},
+            {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+             "stage3_prefetch_bucket_size": 500_000}]
+    return ([dict(c, dtype="bf16") for c in choices()]
+            + [dict(stage=3, offload_optimizer="none", offload_param="none", dtype="bf16", zero=z)
+               for z in lean])
 
 
 def main() -> int:
@@ -98,7 +105,9 @@ def main() -> int:
                 measured = run_world(peaks, world, key, cases, nvme_dir, timeout=900)[0]
                 for row in compare(key, world, cases, measured, nvme_dir):
                     c = row["case"]
-                    label = f"z{c['stage']} opt={c['offload_optimizer']} par={c['offload_param']}"
+                    label = (f"z{c['stage']} opt={c['offload_optimizer']} par={c['offload_param']}"
+                             + (" persist=0" if c.get("zero") else "")
+                             + (" prefetch=5e5" if "stage3_prefetch_bucket_size" in c.get("zero", {}) else ""))
                     cells = ""
                     for tier in TIERS:
                         want, got, ratio = row[tier]

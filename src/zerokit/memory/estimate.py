@@ -65,7 +65,7 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
              offload_optimizer: str | None = None, offload_param: str | None = None,
              dtype: str | None = None, micro_batch: int | None = None, seq_len: int | None = None,
              cuda: bool = True, wrap: Any = None, inputs: dict | None = None,
-             nvme_path: str = "/local_nvme") -> Estimate:
+             activations: bool = True, nvme_path: str = "/local_nvme") -> Estimate:
     """Bytes per rank per tier (device, host, nvme) that training `model` under `config` on
     `world_size` ranks allocates, activations of one micro-batch included; nothing is allocated.
 
@@ -76,7 +76,8 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
     "fp16"), micro_batch. seq_len: tokens per sample for the activations (default: the model's
     longest). cuda: the compute device is a GPU (host buffers that cross are pinned, gradients
     land in a staging buffer), as the engine plans it. inputs: the forward's keyword arguments
-    (meta tensors) for a model that is not a language model.
+    (meta tensors) for a model that is not a language model; activations=False: model states
+    only (no forward runs; stage 3's use order is then the units' order).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int (got {world_size!r})")
@@ -111,8 +112,9 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
         host[kind] += getattr(need, name)
 
     modules = [module for _, module, *_ in groups]
-    activations, order = _activations(src, inputs, micro, seq_len, compute, modules, result)
-    device["activations"] += activations
+    saved, order = (_activations(src, inputs, micro, seq_len, compute, modules, result)
+                    if activations else (0, []))
+    device["activations"] += saved
     element = torch.empty(0, dtype=compute).element_size()
     if policy.shard_weights:
         units = [(name, module, lay.numel, lay.padded_numel)
