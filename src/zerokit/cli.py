@@ -1,6 +1,8 @@
-"""The `zerokit` command: `zerokit train` (the demo) and `zerokit plan` (show a config's plan).
+"""The `zerokit` command: `zerokit train` (the demo), `zerokit convert` (a checkpoint to
+safetensors) and `zerokit estimate` (bytes per rank per tier, before anything is allocated).
 
     torchrun --standalone --nproc-per-node 2 --no-python zerokit train --stage 2 --steps 200
+    zerokit estimate gpt-1b --world-size 4 --dtype bf16
 """
 from __future__ import annotations
 
@@ -169,16 +171,49 @@ def convert(args) -> int:
     return 0
 
 
+def _estimate_parser(sub) -> None:
+    p = sub.add_parser("estimate", help="bytes per rank per tier for each stage and offload choice, "
+                                        "without allocating the model")
+    p.add_argument("model", help="a built-in shape (demo, gpt-125m, gpt-1b, gpt-3b), a transformers "
+                                 "model name or directory with a local config.json")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq", type=int, help="tokens per sample (default: the model's longest)")
+    p.add_argument("--config", help="a DeepSpeed-style JSON file: one row for exactly that config")
+    p.add_argument("--cpu", action="store_true", help="the compute device is the CPU (no pinned "
+                                                      "staging buffers)")
+
+
+def estimate(args) -> int:
+    from zerokit.memory import estimate as one, estimate_grid
+    from zerokit.memory.report import format_grid, format_one
+
+    common = {"dtype": args.dtype, "micro_batch": args.micro_batch, "seq_len": args.seq,
+              "cuda": not args.cpu}
+    if args.config:
+        with open(args.config) as f:
+            config = json.load(f)
+        print(format_one(one(args.model, args.world_size, config, **common)))
+        return 0
+    print(format_grid(estimate_grid(args.model, args.world_size, **common),
+                      f"zerokit estimate: {args.model}, {args.dtype}, micro-batch {args.micro_batch}"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zerokit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _convert_parser(sub)
+    _estimate_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
     if args.command == "convert":
         return convert(args)
+    if args.command == "estimate":
+        return estimate(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
