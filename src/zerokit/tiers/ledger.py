@@ -14,6 +14,7 @@ import torch
 
 from zerokit.sizes import mib
 from zerokit.tier_names import TierName
+from zerokit.tiers.timeline import MemoryTimeline, Timeline
 
 TIERS = tuple(TierName)
 _TIER_TEXT = tuple(t.value for t in TIERS)  # errors print ('device', 'host', 'nvme')
@@ -34,6 +35,24 @@ class Ledger:
         self._peak: dict[tuple[str, str], int] = defaultdict(int)
         self._external: dict[str, Callable[[], int]] = {}
         self._io: dict[str, dict[str, float]] = {}  # tier -> its last step's I/O report
+        self.timeline = Timeline()  # see [Note: the memory timeline] in tiers/timeline.py
+
+    @property
+    def phase(self) -> str:
+        return self.timeline.phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        """What the rank is doing now, recorded with each change in the timeline."""
+        self.timeline.phase = name
+
+    def end_step(self) -> None:
+        """The step ended: its timeline becomes `last_step_timeline()`."""
+        self.timeline.end_step(self._current)
+
+    def last_step_timeline(self) -> MemoryTimeline:
+        """The last complete step's timeline (the current one before any step ended)."""
+        return self.timeline.last or self.timeline.current()
 
     def _tier(self, t: torch.Tensor, tier: str | None) -> str:
         if tier is not None:
@@ -44,8 +63,11 @@ class Ledger:
         return TierName.DEVICE if found is TierName.HOST and self.cpu_is_device else found
 
     def _add(self, key: tuple[str, str], nbytes: int) -> None:
-        self._current[key] += nbytes
-        self._peak[key] = max(self._peak[key], self._current[key])
+        """Every change of a count comes here (a release adds a negative count)."""
+        now = self._current[key] = self._current[key] + nbytes
+        if now > self._peak[key]:
+            self._peak[key] = now
+        self.timeline.note(key[0], key[1], now)
 
     def hold_bytes(self, name: str, kind: str, tier: str, nbytes: int) -> None:
         """Count bytes under a name: a tier's allocation (tiers/tier.py), or bytes another owner
@@ -60,7 +82,7 @@ class Ledger:
 
     def release(self, name: str) -> None:
         tier, kind, nbytes = self._held.pop(name)
-        self._current[(tier, kind)] -= nbytes
+        self._add((tier, kind), -nbytes)
 
     def relocate(self, source: str, dest: str) -> Callable[[], None]:
         """Count everything `source` holds on `dest` (engine.offload_states moved those bytes);
@@ -71,7 +93,7 @@ class Ledger:
 
         def shift(a: str, b: str) -> None:
             for kind, n in moved.items():
-                self._current[(a, kind)] -= n
+                self._add((a, kind), -n)
                 self._add((b, kind), n)
             for name in names:
                 if name in self._held:
@@ -90,7 +112,7 @@ class Ledger:
         def release() -> None:
             nonlocal released
             if not released:
-                self._current[key] -= nbytes
+                self._add(key, -nbytes)
                 released = True
         return release
 
