@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.config import load_config, resolve_auto
-from zerokit.config.schema import ZeroKitConfig
+from zerokit.config.schema import ZeroKitConfig, parse_size
 from zerokit.config.plan import report_startup
 from zerokit.comm.collectives import Comm
 from zerokit.comm.devices import model_device_of
@@ -70,6 +70,9 @@ def initialize(model: nn.Module, optimizer: Any = None,
         if buf.is_floating_point():
             buf.data = buf.data.to(dtype)
     ledger = Ledger()
+    budgets = host_budget.budgets(cfg)  # enforced from the first allocation on ([Note: budgets])
+    for tier, (nbytes, source) in budgets.items():
+        ledger.set_budget(tier, nbytes, source)
     groups = group_parameters(model, select_modules(model, wrap), recipe.group_of)
     plan = functools.partial(plan_layouts, groups, comm.world_size, comm.rank,
                              comm.device.type == "cuda", policy, dtype, reduce_dtype(cfg), batch[2])
@@ -84,6 +87,10 @@ def initialize(model: nn.Module, optimizer: Any = None,
     freed = constructed_host_bytes(model)  # zero.Init's shards, freed as the units are laid out
     if freed:
         avail, source = avail + freed, f"{source}, with the {host_budget.size(freed)} of zero.Init shards initialize frees"
+    if TierName.HOST in budgets and budgets[TierName.HOST][0] < avail // host_budget.local_ranks():
+        # a host budget below what the machine has: the plan is refused against the budget, per rank
+        avail = budgets[TierName.HOST][0] * host_budget.local_ranks()
+        source = f"{budgets[TierName.HOST][1]}, {host_budget.size(budgets[TierName.HOST][0])} per rank"
     host_budget.check_host_memory(need, placement, available=(avail, source))
     # one tier (one I/O engine, one count) whose weight shards go to offload_param's path
     nvme = NvmeTier(ledger, on_nvme[0], rank=comm.rank, config=cfg.aio.engine_config(),
@@ -129,6 +136,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
     if policy.shard_weights:
         attach_ds_views(model, units)  # see [Note: ds_* views]
     engine.placement = placement
+    engine.rss_watch = host_budget.RssWatch(ledger, parse_size(cfg.memory.rss_margin, "memory.rss_margin"),
+                                            comm.device.type == "cpu")
     if nvme is not None:  # closed (files removed) when the engine is released, after the units
         engine._attachment.tiers.append(nvme)
         engine.nvme_tier = nvme

@@ -91,6 +91,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         self._release_when_dropped.atexit = False  # at exit, peers may be gone: no collective waits
         self.executors = executors
         self.nvme_tier = None  # the NVMe tier, when something lives there (set by initialize)
+        self.rss_watch = None  # engine/host_budget.py RssWatch (set by initialize)
         # What the engine is doing, for hooks and failure reports ([Note: state machines], states.py)
         self.training_state = TrainingState.IDLE
         self._recomputing: nn.Module | None = None  # the outermost module recomputing in backward
@@ -296,6 +297,8 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
             if boundary:
                 self.ledger.phase = "idle"
                 self.ledger.end_step()
+        if boundary and self.rss_watch is not None:  # the host budget and drift ([Note: budgets])
+            self.rss_watch.sample()
         self._timers["step"] += time.perf_counter() - t0
         if self.global_steps % self.config.steps_per_print == 0:
             self._report_progress(overflow)
