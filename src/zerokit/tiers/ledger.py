@@ -90,7 +90,7 @@ class Ledger:
     @phase.setter
     def phase(self, name: str) -> None:
         """What the rank is doing now, recorded with each change in the timeline."""
-        self.timeline.phase = name
+        self.timeline.set_phase(name)
 
     def end_step(self) -> None:
         """The step ended: its timeline becomes `last_step_timeline()`."""

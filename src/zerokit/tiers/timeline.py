@@ -21,7 +21,8 @@ MAX_EVENTS = 200_000
 @dataclass
 class MemoryTimeline:
     """One step: `start` counts per (tier, kind) as it began, then `events` (seconds since the
-    start, phase, tier, kind, the count's new bytes)."""
+    start, phase, tier, kind, the count's new bytes); an event with tier None marks where a
+    phase began (a forward that allocates nothing still shows)."""
 
     start: dict[tuple[str, str], int] = field(default_factory=dict)
     events: list[tuple[float, str, str, str, int]] = field(default_factory=list)
@@ -32,7 +33,8 @@ class MemoryTimeline:
         now = dict(self.start)
         out = []
         for t, phase, tier, kind, nbytes in self.events:
-            now[(tier, kind)] = nbytes
+            if tier is not None:
+                now[(tier, kind)] = nbytes
             table: dict[str, dict[str, int]] = {}
             for (ti, ki), v in now.items():
                 table.setdefault(ti, {})[ki] = v
@@ -79,6 +81,13 @@ class Timeline:
             return
         events.append((time.perf_counter() - self._t0, self.phase, getattr(tier, "value", tier),
                        kind, nbytes))
+
+    def set_phase(self, name: str) -> None:
+        """What the rank does from now on; marked in the events where it changes."""
+        if name != self.phase:
+            self.phase = name
+            if len(self._step.events) < MAX_EVENTS:
+                self._step.events.append((time.perf_counter() - self._t0, name, None, None, None))
 
     def end_step(self, counts: dict) -> None:
         """The step ended: keep it, start the next one from `counts` ((tier, kind) -> bytes)."""
