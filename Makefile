@@ -15,14 +15,15 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py $(NATIVE)
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,plot]'
 	touch $@
 
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 --no-python \
-		$(BIN)/zerokit train --stage 2 --steps $(DEMO_STEPS) --layers 4 --width 192 --heads 6
+		$(BIN)/zerokit train --stage 2 --steps $(DEMO_STEPS) --layers 4 --width 192 --heads 6 \
+		--memory-plot demo-memory.png
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=30 tests

@@ -1,6 +1,9 @@
-"""The `zerokit` command: `zerokit train` (the demo) and `zerokit plan` (show a config's plan).
+"""The `zerokit` command: `zerokit train` (the demo), `zerokit convert` (a checkpoint to
+safetensors), `zerokit estimate` (bytes per rank per tier, before anything is allocated) and
+`zerokit plot` (a step's memory timeline as a PNG).
 
     torchrun --standalone --nproc-per-node 2 --no-python zerokit train --stage 2 --steps 200
+    zerokit estimate gpt-1b --world-size 4 --dtype bf16
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ def _train_parser(sub) -> None:
                    help="the engine's step=N progress line every this many steps (above the bar)")
     p.add_argument("--config", help="a DeepSpeed-style JSON file; its keys override the flags'")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory-plot", help="write the last step's memory timeline here (PNG; its "
+                                         "data beside it as .json)")
 
 
 def _config(args) -> dict:
@@ -104,8 +109,25 @@ def train(args) -> int:
               f"(uniform guess: {math.log(256):.3f})")
         for r, (text, now, top) in enumerate(reports):
             print(f"\n{text}\n  process RSS on rank {r}: {now / 2**20:,.0f} MiB now, {top / 2**20:,.0f} MiB peak")
+        if args.memory_plot:
+            _write_timeline(engine.memory_timeline(), args.memory_plot)
     engine.destroy()
     return 0
+
+
+def _write_timeline(timeline, png: str) -> None:
+    """Rank 0's last step as JSON and, with matplotlib installed, as a PNG; says where."""
+    import os
+
+    data = os.path.splitext(png)[0] + ".json"
+    timeline.save(data)
+    try:
+        from zerokit.memory.plot import plot_timeline
+
+        plot_timeline(timeline, png, "zerokit train: rank 0, last step")
+        print(f"memory timeline of the last step: {os.path.abspath(png)} (data: {os.path.abspath(data)})")
+    except ImportError as e:
+        print(f"memory timeline of the last step: {os.path.abspath(data)}; no PNG: {e}")
 
 
 def _bar_postfix(engine, loss: float, tokens_per_s: float) -> dict[str, str]:
@@ -169,16 +191,69 @@ def convert(args) -> int:
     return 0
 
 
+def _estimate_parser(sub) -> None:
+    p = sub.add_parser("estimate", help="bytes per rank per tier for each stage and offload choice, "
+                                        "without allocating the model")
+    p.add_argument("model", help="a built-in shape (demo, gpt-125m, gpt-1b, gpt-3b), a transformers "
+                                 "model name or directory with a local config.json")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq", type=int, help="tokens per sample (default: the model's longest)")
+    p.add_argument("--config", help="a DeepSpeed-style JSON file: one row for exactly that config")
+    p.add_argument("--cpu", action="store_true", help="the compute device is the CPU (no pinned "
+                                                      "staging buffers)")
+
+
+def estimate(args) -> int:
+    from zerokit.memory import estimate as one, estimate_grid
+    from zerokit.memory.report import format_grid, format_one
+
+    common = {"dtype": args.dtype, "micro_batch": args.micro_batch, "seq_len": args.seq,
+              "cuda": not args.cpu}
+    if args.config:
+        with open(args.config) as f:
+            config = json.load(f)
+        print(format_one(one(args.model, args.world_size, config, **common)))
+        return 0
+    print(format_grid(estimate_grid(args.model, args.world_size, **common),
+                      f"zerokit estimate: {args.model}, {args.dtype}, micro-batch {args.micro_batch}"))
+    return 0
+
+
+def _plot_parser(sub) -> None:
+    p = sub.add_parser("plot", help="draw a memory timeline (engine.memory_timeline().save(path)) as a PNG")
+    p.add_argument("timeline", help="the timeline's JSON file")
+    p.add_argument("-o", "--out", help="the PNG to write (default: the JSON's name with .png)")
+
+
+def plot(args) -> int:
+    import os
+
+    from zerokit.memory.plot import plot_timeline
+    from zerokit.tiers.timeline import MemoryTimeline
+
+    out = args.out or os.path.splitext(args.timeline)[0] + ".png"
+    print(plot_timeline(MemoryTimeline.load(args.timeline), out, os.path.basename(args.timeline)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zerokit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _convert_parser(sub)
+    _estimate_parser(sub)
+    _plot_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
     if args.command == "convert":
         return convert(args)
+    if args.command == "estimate":
+        return estimate(args)
+    if args.command == "plot":
+        return plot(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

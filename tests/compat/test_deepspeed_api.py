@@ -33,6 +33,8 @@ MIRRORED = {
         "ZeroParamStatus", "zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "Init",
         "GatheredParameters", "get_accelerator"],
     "zerokit.compat.deepspeed.runtime.engine": ["DeepSpeedEngine"],
+    "zerokit.compat.deepspeed.runtime.zero.stage_1_and_2": ["estimate_zero2_model_states_mem_needs_all_live"],
+    "zerokit.compat.deepspeed.runtime.zero.stage3": ["estimate_zero3_model_states_mem_needs_all_live"],
     "zerokit.compat.deepspeed.runtime.lr_schedules": ["VALID_LR_SCHEDULES", "WarmupLR", "WarmupDecayLR",
                                                       "WarmupCosineLR"],
     "zerokit.compat.deepspeed.checkpoint.utils": ["clone_tensors_for_torch_save"],

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from zerokit.config import ConfigError, ZeroKitConfig, load_config
+from zerokit.config import ConfigError, ZeroKitConfig, load_config, resolve_auto
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 
@@ -84,7 +84,26 @@ def test_config_surface_is_locked() -> None:
         "preemption", "nonfinite",  # issue #19: preemption, nonfinite
         "activation_checkpointing",  # issue #18
         "aio",  # issue #16: the I/O engine of offload_optimizer device 'nvme'
-        "gradient_allreduce_op"])  # issue #25: DeepSpeed's 'sum'
+        "gradient_allreduce_op",  # issue #25: DeepSpeed's 'sum'
+        "memory"])  # issue #28: budgets per tier, enforced by the ledger
+
+
+def test_memory_budget_keys() -> None:
+    """The memory section: sizes as bytes or '20GiB'; 'auto' for host only; errors name the key."""
+    import torch
+
+    from zerokit.config.schema import MemoryConfig, parse_size
+
+    assert sorted(MemoryConfig.model_fields) == ["device", "host", "nvme", "rss_margin"]
+    cfg = load_config({**BASE, "memory": {"host": "auto", "device": "1.5GiB", "nvme": 10**9}})
+    assert parse_size(cfg.memory.device, "memory.device") == int(1.5 * 2**30)
+    assert cfg.memory.host == "auto"  # resolved at initialize (engine/host_budget.py budgets)
+    with pytest.raises(ConfigError, match=r"memory\.device must be a positive number of bytes"):
+        load_config({**BASE, "memory": {"device": "lots"}})
+    with pytest.raises(ConfigError, match=r'memory\.device="auto"'):  # only host has an "auto"
+        resolve_auto(load_config({**BASE, "memory": {"device": "auto"}}), torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="did you mean 'host'"):
+        load_config({**BASE, "memory": {"hots": "1GiB"}})
 
 
 def test_nvme_optimizer_keys_surface() -> None:

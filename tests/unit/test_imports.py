@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("zero",),
     ("export",),
     ("engine",),
+    ("memory",),            # the estimator plans a meta-device model with the engine's rules
     ("zerokit",),           # __init__.py: the public surface
     ("compat", "cli"),      # users of the public surface: `import deepspeed`, `zerokit train`
 ]

@@ -6,6 +6,7 @@ the world size (the batch-size triple) are resolved by `ZeroKitConfig.resolve_ba
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -410,6 +411,51 @@ class ActivationCheckpointingConfig(_Section):
         return self
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$")
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6,
+          "GB": 10**9, "TB": 10**12}
+
+
+def parse_size(value: "int | str", key: str) -> int:
+    """Bytes from an int or a string such as "20GiB" / "512 MB"; the error names the key."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    found = _SIZE.match(value) if isinstance(value, str) else None
+    if found is None or float(found.group(1)) <= 0:
+        raise ValueError(f"{key} must be a positive number of bytes or a size such as '20GiB', "
+                         f"'512MiB' (units {', '.join(_UNITS)}) (got {value!r})")
+    return int(float(found.group(1)) * _UNITS[found.group(2)])
+
+
+class MemoryConfig(_Section):
+    """zerokit: memory budgets per tier, enforced by the ledger at every allocation (tiers/ledger.py
+    [Note: budgets]). Placement is not chosen from them yet: the offload keys still say where
+    state lives."""
+
+    host: Int | str | None = Field(
+        None, description="zerokit: this rank's host-memory budget, bytes or a size ('20GiB'), or "
+                          "'auto' (the memory the system or cgroup has available at initialize, less "
+                          "10%, shared by the ranks on the machine). Allocations past it fail with "
+                          "the breakdown; the process RSS is checked against it after each step.")
+    device: Int | str | None = Field(
+        None, description="zerokit: this rank's device-memory budget (bytes or a size).")
+    nvme: Int | str | None = Field(
+        None, description="zerokit: this rank's NVMe budget (bytes or a size).")
+    rss_margin: Int | str = Field(
+        "512MiB", description="zerokit: process RSS above what the ledger counts on the host (and "
+                              "on a CPU device) plus the RSS at initialize, by more than this, is "
+                              "reported once as unaccounted memory.")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "MemoryConfig":
+        for key in ("host", "device", "nvme", "rss_margin"):
+            value = getattr(self, key)
+            if value is None or (key == "host" and value == "auto"):
+                continue
+            parse_size(value, f"memory.{key}")
+        return self
+
+
 class ZeroKitConfig(_Section):
     train_batch_size: Int | None = Field(None, gt=0)
     train_micro_batch_size_per_gpu: Int | None = Field(None, gt=0)
@@ -426,6 +472,7 @@ class ZeroKitConfig(_Section):
     aio: AioSection = AioSection()
     checkpoint: CheckpointConfig = CheckpointConfig()
     preemption: PreemptionConfig = PreemptionConfig()
+    memory: MemoryConfig = MemoryConfig()
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         ActivationCheckpointingConfig(), description="zerokit.activations.checkpoint's options "
         "(partition_activations, cpu_checkpointing, contiguous_memory_optimization, "

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.config import load_config, resolve_auto
-from zerokit.config.schema import ZeroKitConfig
+from zerokit.config.schema import ZeroKitConfig, parse_size
 from zerokit.config.plan import report_startup
 from zerokit.comm.collectives import Comm
 from zerokit.comm.devices import model_device_of
@@ -70,23 +70,28 @@ def initialize(model: nn.Module, optimizer: Any = None,
         if buf.is_floating_point():
             buf.data = buf.data.to(dtype)
     ledger = Ledger()
+    budgets = host_budget.budgets(cfg)  # enforced from the first allocation on ([Note: budgets])
+    for tier, (nbytes, source) in budgets.items():
+        ledger.set_budget(tier, nbytes, source)
     groups = group_parameters(model, select_modules(model, wrap), recipe.group_of)
-    plan = functools.partial(_layouts, groups, comm, policy, dtype, reduce_dtype(cfg), batch[2])
+    plan = functools.partial(plan_layouts, groups, comm.world_size, comm.rank,
+                             comm.device.type == "cuda", policy, dtype, reduce_dtype(cfg), batch[2])
     if placement.auto:
         placement = _auto_ratio(placement, plan, comm.device, dtype)
     # Where every byte goes is decided here, before anything is allocated: a plan the host
     # cannot hold is refused with the numbers (engine/host_budget.py).
     placement = bf16_state.with_state_dtypes(cfg, placement, optimizer)
     layouts = plan(placement)
-    need = host_budget.host_need(layouts, recipe.kind, placement.state_dtype)
-    if placement.step_in_backward:  # gradients held until stepped (HELD_PARTS), and one landing
-        need.grads += (HELD_PARTS + 1) * 4 * max((lay.host_numel + lay.nvme_numel for lay in layouts),
-                                                 default=0)
-    on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind, need)
+    need = planned_host_need(cfg, placement, layouts, recipe.kind)
+    on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind)
     avail, source = host_budget.available_host_bytes()
     freed = constructed_host_bytes(model)  # zero.Init's shards, freed as the units are laid out
     if freed:
         avail, source = avail + freed, f"{source}, with the {host_budget.size(freed)} of zero.Init shards initialize frees"
+    if TierName.HOST in budgets and budgets[TierName.HOST][0] < avail // host_budget.local_ranks():
+        # a host budget below what the machine has: the plan is refused against the budget, per rank
+        avail = budgets[TierName.HOST][0] * host_budget.local_ranks()
+        source = f"{budgets[TierName.HOST][1]}, {host_budget.size(budgets[TierName.HOST][0])} per rank"
     host_budget.check_host_memory(need, placement, available=(avail, source))
     # one tier (one I/O engine, one count) whose weight shards go to offload_param's path
     nvme = NvmeTier(ledger, on_nvme[0], rank=comm.rank, config=cfg.aio.engine_config(),
@@ -133,6 +138,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
     if policy.shard_weights:
         attach_ds_views(model, units)  # see [Note: ds_* views]
     engine.placement = placement
+    engine.rss_watch = host_budget.RssWatch(ledger, parse_size(cfg.memory.rss_margin, "memory.rss_margin"),
+                                            comm.device.type == "cpu")
     if nvme is not None:  # closed (files removed) when the engine is released, after the units
         engine._attachment.tiers.append(nvme)
         engine.nvme_tier = nvme
@@ -156,15 +163,17 @@ def _configure_activation_checkpointing(cfg: ZeroKitConfig, ledger: Ledger) -> N
         activations.configure(None, deepspeed_config=cfg)
 
 
-def _layouts(groups: list, comm: Comm, policy: PartitionPolicy, dtype: torch.dtype,
-             reduce: torch.dtype, accumulation: int, placement: PlacementPolicy) -> list[UnitLayout]:
-    """Every unit's buffer records under `placement` (policy/layout.py; pure, allocates nothing)."""
+def plan_layouts(groups: list, world: int, rank: int, cuda: bool, policy: PartitionPolicy,
+                 dtype: torch.dtype, reduce: torch.dtype, accumulation: int,
+                 placement: PlacementPolicy) -> list[UnitLayout]:
+    """Every unit's buffer records under `placement` (policy/layout.py; pure, allocates nothing):
+    the engine's plan and the estimator's (zerokit.memory) are this one function."""
     layouts, ram_left = [], placement.ram_numel  # the host budget, spent in unit order
     param_ram_left = placement.param_ram_numel  # offload_param.max_in_cpu, the same way
     for _name, _module, _group, trainable, params in groups:
-        layouts.append(plan_layout(sum(p.numel() for _, p in params), comm.world_size, comm.rank,
+        layouts.append(plan_layout(sum(p.numel() for _, p in params), world, rank,
                                    policy, placement, dtype, reduce, trainable=trainable,
-                                   grad_accum_steps=accumulation, cuda=comm.device.type == "cuda",
+                                   grad_accum_steps=accumulation, cuda=cuda,
                                    ram_left=ram_left, param_ram_left=param_ram_left))
         ram_left -= layouts[-1].host_numel if placement.nvme else 0
         if placement.params_on_nvme and layouts[-1].record("shard").tier is TierName.HOST:
@@ -180,11 +189,33 @@ def _stream_settings(cfg) -> StreamSettings:
                           weights_in_files=cfg.zero_optimization.offload_param.device == "nvme")
 
 
-def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None,
-                need: host_budget.HostNeed) -> list[str]:
+def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout],
+                      kind: str | None) -> host_budget.HostNeed:
+    """Host bytes this rank allocates under `placement`: the layouts' host records and the host
+    parts' optimizer state (host_budget.host_need), the held gradients' pool, the NVMe stream's
+    buffer sets and the weight shards read ahead from NVMe. Pure: the start-up check and the
+    estimator (zerokit.memory) read the same figure."""
+    need = host_budget.host_need(layouts, kind, placement.state_dtype)
+    if placement.step_in_backward:  # gradients held until stepped (HELD_PARTS), and one landing
+        need.grads += (HELD_PARTS + 1) * 4 * max((lay.host_numel + lay.nvme_numel for lay in layouts),
+                                                 default=0)
+    largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
+    if largest:
+        need.buffers += buffer_set_bytes(_stream_settings(cfg), kind, largest)
+    shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
+    if shards:  # the shards read ahead (buffer_count) and the one a gather reads now: at most
+        # the largest buffer_count + 1 of them (a larger shard than buffer_size is not read ahead)
+        element = torch.empty(0, dtype=shards[0].dtype).element_size()
+        sizes = sorted((min(r.numel, placement.param_buffer_size) for r in shards), reverse=True)
+        need.buffers += sum(sizes[:placement.param_buffer_count + 1]) * element
+    return need
+
+
+def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None
+                ) -> list[str]:
     """offload_optimizer / offload_param device 'nvme': each path checked against what the plan
-    puts there (nvme_plan.py) and the host buffers added to the host need. Returns the paths in
-    use, the optimizer's first ([] when nothing is on NVMe)."""
+    puts there (nvme_plan.py). Returns the paths in use, the optimizer's first ([] when nothing
+    is on NVMe)."""
     zero = cfg.zero_optimization
     largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
@@ -194,15 +225,10 @@ def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind
                                   + (nvme_plan.weight_need(layouts) if shards and _same_disk(
                                       zero.offload_param.nvme_path, zero.offload_optimizer.nvme_path)
                                      else 0))
-        need.buffers += buffer_set_bytes(_stream_settings(cfg), kind, largest)
         paths.append(zero.offload_optimizer.nvme_path)
     if shards:
         nvme_plan.check_nvme_path(zero.offload_param.nvme_path, nvme_plan.weight_need(layouts),
                                   section="offload_param", what="16-bit weight shards on NVMe")
-        # the shards read ahead (buffer_count) and the one a gather reads now
-        largest_shard = max(min(r.numel, placement.param_buffer_size) for r in shards)
-        element = torch.empty(0, dtype=shards[0].dtype).element_size()
-        need.buffers += (placement.param_buffer_count + 1) * largest_shard * element
         paths.append(zero.offload_param.nvme_path)
     return paths
 

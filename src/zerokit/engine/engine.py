@@ -91,6 +91,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         self._release_when_dropped.atexit = False  # at exit, peers may be gone: no collective waits
         self.executors = executors
         self.nvme_tier = None  # the NVMe tier, when something lives there (set by initialize)
+        self.rss_watch = None  # engine/host_budget.py RssWatch (set by initialize)
         # What the engine is doing, for hooks and failure reports ([Note: state machines], states.py)
         self.training_state = TrainingState.IDLE
         self._recomputing: nn.Module | None = None  # the outermost module recomputing in backward
@@ -164,9 +165,10 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
             self._move(TrainingState.RECOMPUTE)
             self._recomputing = module
         # A recomputed forward is part of the backward's schedule, not a second forward.
-        use = (self.scheduler.use_in_backward if self.training_state is TrainingState.RECOMPUTE
-               else self.scheduler.use)
+        recompute = self.training_state is TrainingState.RECOMPUTE
+        use = self.scheduler.use_in_backward if recompute else self.scheduler.use
         for u in units:
+            self.ledger.phase = u.phase_names[recompute]  # see [Note: the memory timeline]
             use(u)
 
     def _after_forward(self, units: list[Unit], module: nn.Module, _args: Any, output: Any) -> None:
@@ -189,6 +191,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         if self.config.fp16.auto_cast:
             args = cast_inputs_half(args)
         self._move(TrainingState.FORWARD)
+        self.ledger.phase = "forward"
         try:
             out = self.module(*args, **kwargs)
         finally:
@@ -219,6 +222,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         self.wait_for_weights()  # units whose modules forward did not call
         scale = self.loss_scaler.scale / (self._gradient_accumulation_steps if scale_wrt_gas else 1)
         self._move(TrainingState.BACKWARD)
+        self.ledger.phase = "backward"
         try:
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             if self._reduce_now:
@@ -278,6 +282,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:  # refused inside forward or backward, before anything is counted
             self._move(TrainingState.STEP)
+            self.ledger.phase = "step"
         try:
             self.micro_steps += 1
             self._step_applied = False
@@ -289,6 +294,11 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         finally:  # idle again, unless the step failed the engine (_abandon_step)
             if self.training_state is TrainingState.STEP:
                 self._move(TrainingState.IDLE)
+            if boundary:
+                self.ledger.phase = "idle"
+                self.ledger.end_step()
+        if boundary and self.rss_watch is not None:  # the host budget and drift ([Note: budgets])
+            self.rss_watch.sample()
         self._timers["step"] += time.perf_counter() - t0
         if self.global_steps % self.config.steps_per_print == 0:
             self._report_progress(overflow)
@@ -528,6 +538,11 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
                      f"{io['io_s']:.3f} s, threads waited {io['wait_s']:.3f} s on I/O "
                      f"(optimizer stream {io['stream_s']:.3f} s)")
         return text
+
+    def memory_timeline(self):
+        """The last complete step's bytes per tier and kind, each change with its phase
+        (tiers/timeline.py MemoryTimeline; `.save(path)`, then `zerokit plot path`)."""
+        return self.ledger.last_step_timeline()
 
     def nvme_io(self) -> dict:
         """The last step's NVMe I/O, {} without NVMe: bytes read and written since the previous

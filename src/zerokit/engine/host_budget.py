@@ -51,13 +51,15 @@ def host_need(layouts: list, optimizer_kind: str | None,
               state_dtype: torch.dtype = torch.float32) -> HostNeed:
     """The host bytes the units' layouts allocate (policy/layout.py records on the host tier), plus
     the host parts' optimizer state, allocated at bind; an optimizer of unknown kind is counted
-    as Adam (8 bytes per element in fp32, 4 in bf16: bf16.bf16_optimizer_states)."""
+    as Adam (8 bytes per element in fp32, 4 in bf16: bf16.bf16_optimizer_states). Transient
+    records (a weight shard's NVMe buffer) are not: only the read-ahead's few exist at once
+    (engine/assemble.py planned_host_need adds them)."""
     need = HostNeed()
     per_element = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
     if state_dtype == torch.bfloat16:
         per_element //= 2  # the table counts fp32 states
     for layout in layouts:
-        for kind, nbytes in layout.bytes(TierName.HOST).items():
+        for kind, nbytes in layout.bytes(TierName.HOST, transient=False).items():
             field = _FIELD[kind]
             setattr(need, field, getattr(need, field) + nbytes)
         need.state += per_element * layout.host_numel
@@ -119,3 +121,68 @@ def check_host_memory(need: HostNeed, placement: PlacementPolicy, ranks: int | N
 
 def size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+AUTO_MARGIN = 0.10  # memory.host "auto": what is available at initialize, less this share
+
+
+def budgets(cfg) -> dict[TierName, tuple[int, str]]:
+    """The config's memory budgets in bytes per tier, each with where it came from."""
+    from zerokit.config.schema import parse_size
+
+    out = {}
+    for tier in (TierName.HOST, TierName.DEVICE, TierName.NVME):
+        value = getattr(cfg.memory, tier.value)
+        if value is None:
+            continue
+        if value == "auto":
+            avail, source = available_host_bytes()
+            ranks = local_ranks()
+            out[tier] = (int(avail * (1 - AUTO_MARGIN)) // ranks,
+                         f"memory.host 'auto': {size(avail)} available ({source}) less "
+                         f"{AUTO_MARGIN:.0%}, over {ranks} rank(s)")
+        else:
+            out[tier] = (parse_size(value, f"memory.{tier.value}"), f"memory.{tier.value}")
+    return out
+
+
+class RssWatch:
+    """The process's RSS after each step, against the host budget and the ledger ([Note:
+    budgets] in tiers/ledger.py): past the budget it raises; above what the ledger counts in host
+    memory (the host tier, and the device tier on a CPU-only run) plus the RSS at start-up by
+    more than `margin`, it warns once, with the numbers (unaccounted memory is a bug to find)."""
+
+    def __init__(self, ledger, margin: int, device_is_host: bool):
+        self.ledger, self.margin, self.device_is_host = ledger, margin, device_is_host
+        self.baseline = self.rss() - self.counted()
+        self.reported = False
+
+    @staticmethod
+    def rss() -> int:
+        return psutil.Process().memory_info().rss
+
+    def counted(self) -> int:
+        return (self.ledger.bytes(TierName.HOST)
+                + (self.ledger.bytes(TierName.DEVICE) if self.device_is_host else 0))
+
+    def sample(self) -> int:
+        """Returns the drift (bytes of RSS the ledger does not explain)."""
+        import logging
+
+        from zerokit.tiers.ledger import BudgetExceededError
+
+        rss, counted = self.rss(), self.counted()
+        budget = self.ledger.budget(TierName.HOST)
+        if budget is not None and rss > budget:
+            raise BudgetExceededError(
+                f"the process's RSS, {size(rss)}, is past the host budget of {size(budget)} "
+                f"(memory.host); the ledger counts {size(counted)} in host memory and "
+                f"{size(self.baseline)} was there at initialize (interpreter, libraries, the model)")
+        drift = rss - counted - self.baseline
+        if drift > self.margin and not self.reported:
+            self.reported = True
+            logging.getLogger("zerokit").warning(
+                "unaccounted host memory: RSS %s = the ledger's %s + %s at initialize + %s the "
+                "ledger does not explain (more than memory.rss_margin, %s); this is reported once",
+                size(rss), size(counted), size(self.baseline), size(drift), size(self.margin))
+        return drift

@@ -128,11 +128,13 @@ class UnitLayout:
     def nvme_numel(self) -> int:
         return sum(p.numel for p in self.parts if p.tier is TierName.NVME)
 
-    def bytes(self, tier: TierName) -> dict[str, int]:
-        """Bytes the records own on `tier`, by ledger kind (aliases own nothing)."""
+    def bytes(self, tier: TierName, transient: bool = True) -> dict[str, int]:
+        """Bytes the records own on `tier`, by ledger kind (aliases own nothing); transient=False
+        leaves out the records whose storage exists only while in use (stage 3's gathered
+        weights, a shard's NVMe buffer), which the ledger counts when they are."""
         out: dict[str, int] = {}
         for r in self.records:
-            if r.tier == tier and r.alias_of is None:
+            if r.tier == tier and r.alias_of is None and (transient or not r.transient):
                 out[r.kind] = out.get(r.kind, 0) + r.nbytes
         return out
 

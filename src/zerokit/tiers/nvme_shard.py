@@ -87,11 +87,14 @@ class NvmeShard:
         self.fetch()
         if self.residency is ShardResidency.READING:
             handle, self._read = self._read, None
+            phase, self.ledger.phase = self.ledger.phase, "io wait"  # the timeline's phase
             try:
                 handle.wait()
             except BaseException:
                 self._free()  # the values are not in the buffer: read again next time
                 raise
+            finally:
+                self.ledger.phase = phase
             self._move(ShardResidency.RESIDENT)
         return self.buffer
 

@@ -46,8 +46,10 @@ class Tier:
     def allocate(self, owner: str, kind: str, numel: int, dtype: torch.dtype, *,
                  pinned: bool = False) -> torch.Tensor:
         """A new zeroed 1-D buffer, held in the ledger under `owner` until `free(owner)`."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        self.ledger.check_room(self.name, kind, nbytes, owner)  # before allocating: [Note: budgets]
         t = self._empty(numel, dtype, pinned).zero_()
-        self.ledger.hold_bytes(owner, kind, self.name, t.numel() * t.element_size())
+        self.ledger.hold_bytes(owner, kind, self.name, nbytes)
         return t
 
     def free(self, owner: str) -> None:

@@ -146,6 +146,9 @@ class Unit:
         self._gather_handle: Handle | None = None
         self._fetch_stream = None  # CUDA side stream a host shard's gather runs on (offload_param)
         self.index = -1  # position in the engine's unit list; set by the engine
+        # the timeline's phase names for this unit's forward and recomputation, made once
+        # ([Note: the memory timeline] in tiers/timeline.py)
+        self.phase_names = (f"forward {name}", f"recompute {name}")
         self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
         self.reduce_at_end = False  # holds a leaf module: reduced at end of backward ([Note: leaf modules])
         self.lease = ReadLease()  # readers of this unit's state in flight; its engine's, shared (units/lease.py)

@@ -1,0 +1,76 @@
+"""Budgets (config "memory") enforced: at start-up against the plan, at every allocation by the
+ledger, and on the process's RSS after each step, with unaccounted memory reported once.
+The byte counts the tests expect come from the model's parameters, not from the ledger."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import zerokit
+from reference import tiny_gpt
+from zerokit.engine.host_budget import HostMemoryError
+from zerokit.tiers.ledger import BudgetExceededError
+
+
+def _engine(memory: dict, stage: int = 3, **zero):
+    torch.set_num_threads(1)
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "memory": memory, "zero_optimization": {"stage": stage, **zero}})
+    return engine
+
+
+def _step(engine) -> None:
+    x = torch.randint(0, 50, (2, 16))
+    engine.backward(engine(x, x))
+    engine.step()
+
+
+def test_a_host_budget_below_the_offload_plan_is_refused_at_start() -> None:
+    with pytest.raises(HostMemoryError, match=r"memory\.host"):
+        _engine({"host": "64KiB"}, stage=2, offload_optimizer={"device": "cpu"})
+
+
+def test_an_allocation_past_the_device_budget_fails_with_the_breakdown() -> None:
+    """Stage 3, fp32, nothing kept gathered: initialize holds each unit's shard and its fp32
+    gradient shard (the master is the shard); the first forward gathers the root unit, a
+    transient of its padded size, which the budget leaves no room for."""
+    model = tiny_gpt()
+    held = sum(p.numel() for p in model.parameters()) * (4 + 4)  # one rank: shard + gradient
+    budget = held + 2048  # with each unit's padding (< 32 elements) it fits; a gathered unit not
+    assert model.transformer.wte.weight.numel() * 4 > 2048
+    engine = _engine({"device": budget}, stage=3, stage3_param_persistence_threshold=0,
+                     stage3_max_reuse_distance=0)
+    with pytest.raises(BudgetExceededError) as err:
+        _step(engine)
+    text = str(err.value)
+    assert "device budget" in text and "transient weights buffer" in text and "weights" in text
+    assert engine.ledger.bytes("device") <= budget  # the crossing allocation was not counted
+
+
+def test_rss_past_the_host_budget_fails_after_the_step() -> None:
+    engine = _engine({"host": "1MiB"}, stage=0)  # nothing planned on the host: start-up passes
+    with pytest.raises(BudgetExceededError, match=r"RSS, .* is past the host budget of 1\.0 MiB"):
+        _step(engine)
+
+
+def test_injected_drift_is_reported_once() -> None:
+    engine = _engine({"rss_margin": "32MiB"}, stage=0)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("zerokit").addHandler(handler)
+    try:
+        _step(engine)
+        assert not [r for r in records if "unaccounted" in r.getMessage()]
+        leak = torch.ones(96 * 2**20 // 4)  # 96 MiB the ledger never hears of, pages touched
+        _step(engine)
+        _step(engine)
+        reports = [r.getMessage() for r in records if "unaccounted" in r.getMessage()]
+        assert len(reports) == 1 and "rss_margin" in reports[0], reports
+    finally:
+        logging.getLogger("zerokit").removeHandler(handler)
+        engine.destroy()
+    del leak
