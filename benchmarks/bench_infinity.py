@@ -12,6 +12,9 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
   ds-inf       DeepSpeed 0.19 ZeRO-Infinity (CPU accelerator, its async_io op: needs libaio-dev)
   zk-inf       zerokit, DeepSpeed's placement: weights, master, gradients and optimizer state on
                NVMe, nothing kept in host memory
+  zk-inf-sib   zk-inf stepping in backward (offload_optimizer.step_in_backward): a unit's gradient
+               is held in host memory (a pool of a few units) until its part steps, instead of
+               going to a file; the NVMe stream overlaps backward
   zk-inf-ds    zerokit, host budget = DeepSpeed's peak RSS at that size (from this run, or
                --ds-rss-gib)
   zk-inf-half  zerokit, host budget = half of that
@@ -76,6 +79,7 @@ ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 ROWS = {
     "ds-inf": ("deepspeed", None, "DeepSpeed ZeRO-Infinity"),
     "zk-inf": ("zerokit", None, "zerokit, everything on NVMe"),
+    "zk-inf-sib": ("zerokit", None, "zerokit, everything on NVMe, stepping in backward"),
     "zk-inf-ds": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS"),
     "zk-inf-half": ("zerokit", "half", "zerokit, host budget = DeepSpeed RSS / 2"),
     "zk-inf-8g": ("zerokit", 8.0, "zerokit, host budget 8 GiB"),
@@ -126,6 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-gib", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--weights-in-ram", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--delayed", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--step-in-backward", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--swap", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -150,7 +155,8 @@ def expected_disk_bytes(model: str, row: str) -> int:
 
 def _steps_in_backward(row: str) -> bool:
     """The budgeted zerokit rows step in backward (see the module docstring)."""
-    return ROWS[row][0] == "zerokit" and ROWS[row][1] not in (None, "weights") and not row.endswith("-dpu")
+    return ROWS[row][0] == "zerokit" and (ROWS[row][1] not in (None, "weights") or row.endswith("-sib")) \
+        and not row.endswith("-dpu")
 
 
 # ===================================================================================== worker
@@ -234,10 +240,11 @@ def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = Fal
 
 
 def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False,
-              delayed: bool = False, clipping: float = 1.0, accumulation: int = 1) -> dict:
+              delayed: bool = False, clipping: float = 1.0, accumulation: int = 1,
+              step_in_backward: bool = False) -> dict:
     cfg = ds_config(swap, model, clipping, accumulation)
     zero = cfg["zero_optimization"]
-    step_in_backward = budget_gib is not None and not delayed
+    step_in_backward = (step_in_backward or budget_gib is not None) and not delayed
     keys = budget_keys(model, budget_gib, weights_in_ram, delayed, step_in_backward)
     zero["sub_group_size"] = ZK_SUB_GROUP
     zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
@@ -300,7 +307,7 @@ def setup_zerokit(args, rec):
     import zerokit
 
     cfg = zk_config(args.swap, args.model, args.budget_gib, args.weights_in_ram, args.delayed,
-                    args.clipping, args.accumulation)
+                    args.clipping, args.accumulation, args.step_in_backward)
     rec["config"] = cfg
     try:
         model = _build(zerokit, cfg, args.model)
@@ -433,6 +440,7 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
            "--accumulation", str(args.accumulation)] + (["--budget-gib", str(budget)] if budget else [])
     cmd += ["--weights-in-ram"] if ROWS[name][1] == "weights" else []
     cmd += ["--delayed"] if name.endswith("-dpu") else []
+    cmd += ["--step-in-backward"] if _steps_in_backward(name) else []
     env = {**os.environ, **WORKER_ENV, "MASTER_PORT": str(29700 + len(name))}
     log = C.results_dir("logs") / f"bench_infinity-{name}-{model}.log"
     disk_peak = [0]
