@@ -103,9 +103,9 @@ class Engine:
             pos, i = stop, i + 1
         if futures:  # in flight until its last block ends
             self._activity.begin(write)
-            left = [len(futures)]
+            left, lock = [len(futures)], threading.Lock()
 
-            def block_done(_f, lock=threading.Lock()):
+            def block_done(_f):
                 with lock:
                     left[0] -= 1
                     last = left[0] == 0
