@@ -115,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--clipping", type=float, default=1.0,
                    help="gradient_clipping on both sides (default 1.0, DeepSpeed's; 0: none)")
+    p.add_argument("--sub-group", type=int, default=ZK_SUB_GROUP,
+                   help=f"zerokit rows' sub_group_size: elements per NVMe stream request (default "
+                        f"{ZK_SUB_GROUP:,}; host buffers: 4 sets x 4 to 4.5 x 4 B x this)")
     p.add_argument("--accumulation", type=int, default=1,
                    help="gradient_accumulation_steps on both sides (default 1; the issue's rows: 1 and 4)")
     p.add_argument("--nvme-dir", default=None, help="swap folder parent (default: a temporary "
@@ -241,12 +244,12 @@ def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = Fal
 
 def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False,
               delayed: bool = False, clipping: float = 1.0, accumulation: int = 1,
-              step_in_backward: bool = False) -> dict:
+              step_in_backward: bool = False, sub_group: int = ZK_SUB_GROUP) -> dict:
     cfg = ds_config(swap, model, clipping, accumulation)
     zero = cfg["zero_optimization"]
     step_in_backward = (step_in_backward or budget_gib is not None) and not delayed
     keys = budget_keys(model, budget_gib, weights_in_ram, delayed, step_in_backward)
-    zero["sub_group_size"] = ZK_SUB_GROUP
+    zero["sub_group_size"] = sub_group
     zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
     zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True, **keys["offload_optimizer"])
     if delayed:  # ZeRO-Offload's one-step delayed update, after one normal step
@@ -307,7 +310,7 @@ def setup_zerokit(args, rec):
     import zerokit
 
     cfg = zk_config(args.swap, args.model, args.budget_gib, args.weights_in_ram, args.delayed,
-                    args.clipping, args.accumulation, args.step_in_backward)
+                    args.clipping, args.accumulation, args.step_in_backward, args.sub_group)
     rec["config"] = cfg
     try:
         model = _build(zerokit, cfg, args.model)
@@ -437,7 +440,7 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", model,
            "--swap", str(swap), "--result", str(result), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--clipping", str(clipping),
-           "--accumulation", str(args.accumulation)] + (["--budget-gib", str(budget)] if budget else [])
+           "--accumulation", str(args.accumulation), "--sub-group", str(args.sub_group)] + (["--budget-gib", str(budget)] if budget else [])
     cmd += ["--weights-in-ram"] if ROWS[name][1] == "weights" else []
     cmd += ["--delayed"] if name.endswith("-dpu") else []
     cmd += ["--step-in-backward"] if _steps_in_backward(name) else []
