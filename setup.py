@@ -24,7 +24,7 @@ NATIVE_EXTENSIONS = {
     "zerokit.io._aio": (
         [os.path.join(CSRC, "aio_bindings.cpp")]
         + [os.path.join(CSRC, "aio", f) for f in
-           ("engine.cpp", "block_io.cpp", "kernel_aio.cpp", "crc32c.cpp")],
+           ("engine.cpp", "block_io.cpp", "kernel_aio.cpp", "crc32c.cpp", "activity.cpp")],
         ["-pthread"],
         ["-pthread"],
     ),

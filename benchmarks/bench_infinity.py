@@ -12,6 +12,9 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
   ds-inf       DeepSpeed 0.19 ZeRO-Infinity (CPU accelerator, its async_io op: needs libaio-dev)
   zk-inf       zerokit, DeepSpeed's placement: weights, master, gradients and optimizer state on
                NVMe, nothing kept in host memory
+  zk-inf-sib   zk-inf stepping in backward (offload_optimizer.step_in_backward): a unit's gradient
+               is held in host memory (a pool of a few units) until its part steps, instead of
+               going to a file; the NVMe stream overlaps backward
   zk-inf-ds    zerokit, host budget = DeepSpeed's peak RSS at that size (from this run, or
                --ds-rss-gib)
   zk-inf-half  zerokit, host budget = half of that
@@ -21,6 +24,12 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
   zk-inf-ds-dpu zk-inf-ds with the one-step delayed update (offload_optimizer.delayed_update):
                the step's NVMe stream overlaps the next forward and backward. Changes the math
                (weights one step stale), so it is a row of its own, never compared as equal.
+  zk-inf-ds-clip zk-inf-ds with gradient_clipping 1e-3, whatever --clipping says: clipping applies
+               at every step, so every update stepped in backward is redone; the "redo" column
+               says what that costs per step.
+Both sides take `gradient_clipping` (--clipping, default 1.0: DeepSpeed's default; 0 turns it off)
+and `gradient_accumulation_steps` (--accumulation, default 1): a timed step is that many
+micro-steps (forward, backward, step() each), and tokens/s counts all of them.
 The budgeted rows (zk-inf-ds, zk-inf-half, zk-inf-8g) also set offload_optimizer.step_in_backward:
 each unit's optimizer part steps while backward goes on, its gradient held in host memory until
 then (the same update: the setup has no clipping, no fp16, no accumulation), so the NVMe stream
@@ -56,6 +65,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from _engine_counters import disk_idle as _disk_idle, redo as _redo, speculation as _speculation  # noqa: E402
 
 GiB = 1 << 30
 MODELS = {  # name -> (n_layer, n_embd, n_head)
@@ -69,12 +79,15 @@ ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 ROWS = {
     "ds-inf": ("deepspeed", None, "DeepSpeed ZeRO-Infinity"),
     "zk-inf": ("zerokit", None, "zerokit, everything on NVMe"),
+    "zk-inf-sib": ("zerokit", None, "zerokit, everything on NVMe, stepping in backward"),
     "zk-inf-ds": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS"),
     "zk-inf-half": ("zerokit", "half", "zerokit, host budget = DeepSpeed RSS / 2"),
     "zk-inf-8g": ("zerokit", 8.0, "zerokit, host budget 8 GiB"),
     "zk-opt-nvme": ("zerokit", "weights", "zerokit, weights in RAM, optimizer on NVMe"),
     "zk-inf-ds-dpu": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS, delayed update"),
+    "zk-inf-ds-clip": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS, clipping always applies"),
 }
+ROW_CLIPPING = {"zk-inf-ds-clip": 1e-3}  # rows whose gradient_clipping is their own, not --clipping
 # What a zerokit row's process holds besides the budgeted states: the interpreter and torch
 # (~0.4 GiB), the stream's buffer sets (below), activations, allocator slack, and in backward the
 # largest unit (the embedding or the head) gathered (2 B per element), its gradient in bf16 and
@@ -100,6 +113,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default="ds-inf,zk-inf,zk-inf-ds,zk-inf-half", help=f"of {', '.join(ROWS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per row (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--clipping", type=float, default=1.0,
+                   help="gradient_clipping on both sides (default 1.0, DeepSpeed's; 0: none)")
+    p.add_argument("--sub-group", type=int, default=ZK_SUB_GROUP,
+                   help=f"zerokit rows' sub_group_size: elements per NVMe stream request (default "
+                        f"{ZK_SUB_GROUP:,}; host buffers: 4 sets x 4 to 4.5 x 4 B x this)")
+    p.add_argument("--accumulation", type=int, default=1,
+                   help="gradient_accumulation_steps on both sides (default 1; the issue's rows: 1 and 4)")
     p.add_argument("--nvme-dir", default=None, help="swap folder parent (default: a temporary "
                                                      "folder on the disk holding the repository)")
     p.add_argument("--ds-rss-gib", type=float, default=None,
@@ -113,9 +133,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-gib", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--weights-in-ram", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--delayed", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--step-in-backward", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--swap", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.clipping < 0:
+        p.error(f"--clipping: {args.clipping} is negative; give 0 (none) or a positive norm")
+    if args.accumulation < 1:
+        p.error(f"--accumulation: {args.accumulation}; give 1 or more micro-steps per step")
+    return args
 
 
 def n_params(model: str) -> int:
@@ -132,7 +158,8 @@ def expected_disk_bytes(model: str, row: str) -> int:
 
 def _steps_in_backward(row: str) -> bool:
     """The budgeted zerokit rows step in backward (see the module docstring)."""
-    return ROWS[row][0] == "zerokit" and ROWS[row][1] not in (None, "weights") and not row.endswith("-dpu")
+    return ROWS[row][0] == "zerokit" and (ROWS[row][1] not in (None, "weights") or row.endswith("-sib")) \
+        and not row.endswith("-dpu")
 
 
 # ===================================================================================== worker
@@ -156,10 +183,10 @@ def _io_counters() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def ds_config(swap: str, model: str) -> dict:
+def ds_config(swap: str, model: str, clipping: float = 1.0, accumulation: int = 1) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": clipping, "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": dict(ADAMW)},
         "zero_optimization": {
             # Small tensors (LayerNorms, biases) stay in memory (DeepSpeed's default threshold),
@@ -216,12 +243,13 @@ def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = Fal
 
 
 def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False,
-              delayed: bool = False) -> dict:
-    cfg = ds_config(swap, model)
+              delayed: bool = False, clipping: float = 1.0, accumulation: int = 1,
+              step_in_backward: bool = False, sub_group: int = ZK_SUB_GROUP) -> dict:
+    cfg = ds_config(swap, model, clipping, accumulation)
     zero = cfg["zero_optimization"]
-    step_in_backward = budget_gib is not None and not delayed
+    step_in_backward = (step_in_backward or budget_gib is not None) and not delayed
     keys = budget_keys(model, budget_gib, weights_in_ram, delayed, step_in_backward)
-    zero["sub_group_size"] = ZK_SUB_GROUP
+    zero["sub_group_size"] = sub_group
     zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
     zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True, **keys["offload_optimizer"])
     if delayed:  # ZeRO-Offload's one-step delayed update, after one normal step
@@ -261,7 +289,7 @@ def setup_deepspeed(args, rec):
     if not AsyncIOBuilder().is_compatible(verbose=False):
         raise NotAvailable("DeepSpeed's async_io op cannot build here (apt-get install libaio-dev)")
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg = ds_config(args.swap, args.model)
+    cfg = ds_config(args.swap, args.model, args.clipping, args.accumulation)
     rec["config"] = cfg
     model = _build(deepspeed, cfg, args.model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -281,7 +309,8 @@ def zk_wrap(name: str, module) -> bool:
 def setup_zerokit(args, rec):
     import zerokit
 
-    cfg = zk_config(args.swap, args.model, args.budget_gib, args.weights_in_ram, args.delayed)
+    cfg = zk_config(args.swap, args.model, args.budget_gib, args.weights_in_ram, args.delayed,
+                    args.clipping, args.accumulation, args.step_in_backward, args.sub_group)
     rec["config"] = cfg
     try:
         model = _build(zerokit, cfg, args.model)
@@ -314,33 +343,52 @@ def run_worker(args) -> int:
         rec["rss_after_setup_mb"] = C.current_rss_mb()
         rec["setup_peak_mb"] = C.take_rss_high_water_mb()
         g = torch.Generator().manual_seed(7)
-        toks = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g) for _ in range(args.warmup + args.steps)]
-        steps, phases, reads, writes, losses, peaks = [], [], [], [], [], []
-        for i, t in enumerate(toks):
+        k = args.accumulation
+        aio = getattr(getattr(engine, "nvme_tier", None), "aio", None)  # zerokit's I/O engine
+        idle_clock = (lambda: aio.idle_s()[2]) if hasattr(aio, "idle_s") else (lambda: 0.0)
+        toks = [[torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g) for _ in range(k)]
+                for _ in range(args.warmup + args.steps)]
+        steps, phases, reads, writes, losses, peaks, idles, redos = [], [], [], [], [], [], [], []
+        for i, micro in enumerate(toks):
             r0, w0 = _io_counters()
+            spec0 = _speculation(engine)
             t0 = C.now()
-            loss = engine(t[:, :-1].contiguous(), t[:, 1:].contiguous())
-            t1 = C.now()
-            peak = [C.take_rss_high_water_mb()]  # RSS peaks by phase: where the memory goes
-            engine.backward(loss)
-            t2 = C.now()
-            peak.append(C.take_rss_high_water_mb())
-            engine.step()
+            took = [0.0, 0.0, 0.0]  # forward, backward, step() over the step's micro-steps
+            by_phase = [0.0, 0.0, 0.0]  # seconds the disk idled (nothing in flight) in each
+            peak = [0, 0, 0]  # RSS peaks by phase: where the memory goes
+            for t in micro:
+                a, i0 = C.now(), idle_clock()
+                loss = engine(t[:, :-1].contiguous(), t[:, 1:].contiguous())
+                b, i1 = C.now(), idle_clock()
+                peak[0] = max(peak[0], C.take_rss_high_water_mb() or 0)
+                engine.backward(loss)
+                c, i2 = C.now(), idle_clock()
+                peak[1] = max(peak[1], C.take_rss_high_water_mb() or 0)
+                engine.step()
+                took = [took[0] + b - a, took[1] + c - b, took[2] + C.now() - c]
+                by_phase = [x + y for x, y in zip(by_phase, (i1 - i0, i2 - i1, idle_clock() - i2))]
+                peak[2] = max(peak[2], C.take_rss_high_water_mb() or 0)
+                losses.append(float(loss.detach().float()))
             dt = C.now() - t0
-            peaks.append(peak + [C.take_rss_high_water_mb(), C.current_rss_mb()])
+            peaks.append(peak + [C.current_rss_mb()])
             r1, w1 = _io_counters()
-            losses.append(float(loss.detach().float()))
+            idle = _disk_idle(engine)
+            redo = _redo(spec0, _speculation(engine))
             if i >= args.warmup:
                 steps.append(dt)
-                phases.append((t1 - t0, t2 - t1, t0 + dt - t2))
+                phases.append(tuple(took))
                 reads.append(r1 - r0)
                 writes.append(w1 - w0)
-            print(f"step {i}: {dt:.2f} s (forward {t1 - t0:.2f}, backward {t2 - t1:.2f}, step() "
-                  f"{t0 + dt - t2:.2f}), read {(r1 - r0) / GiB:.2f} GiB, wrote {(w1 - w0) / GiB:.2f} GiB, "
-                  f"RSS peaks MiB (forward, backward, step(), after) {[round(x or 0) for x in peaks[-1]]}",
+                idles.append(idle)
+                redos.append(redo)
+            print(f"step {i}: {dt:.2f} s (forward {took[0]:.2f}, backward {took[1]:.2f}, step() "
+                  f"{took[2]:.2f}), read {(r1 - r0) / GiB:.2f} GiB, wrote {(w1 - w0) / GiB:.2f} GiB, "
+                  f"RSS peaks MiB (forward, backward, step(), after) {[round(x or 0) for x in peaks[-1]]}"
+                  + (f", disk idle {idle}, by phase {[round(x, 2) for x in by_phase]}" if idle else "")
+                  + (f", speculation {redo}" if redo else ""),
                   flush=True)
         rec.update(step_s=steps, phases_s=phases, read_bytes=reads, write_bytes=writes, losses=losses,
-                   rss_peaks_mb=peaks)  # per step: forward, backward, step() peaks, RSS after
+                   rss_peaks_mb=peaks, disk_idle=idles, speculation=redos)  # per step
         report = getattr(engine, "memory_report", None)
         if family == "zerokit" and report is not None:
             rec["memory_report"] = str(report())
@@ -378,7 +426,9 @@ def du_bytes(folder: Path) -> int:
 
 def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> dict:
     family, _, label = ROWS[name]
-    res = {"row": name, "model": model, "label": label, "budget_gib": budget}
+    clipping = ROW_CLIPPING.get(name, args.clipping)
+    res = {"row": name, "model": model, "label": label, "budget_gib": budget, "clipping": clipping,
+           "accumulation": args.accumulation}
     free = shutil.disk_usage(parent).free
     need = expected_disk_bytes(model, name)
     if free - need < args.min_free_gib * GiB:
@@ -389,9 +439,11 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
     result = swap.parent / f"{swap.name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", model,
            "--swap", str(swap), "--result", str(result), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)] + (["--budget-gib", str(budget)] if budget else [])
+           "--warmup", str(args.warmup), "--clipping", str(clipping),
+           "--accumulation", str(args.accumulation), "--sub-group", str(args.sub_group)] + (["--budget-gib", str(budget)] if budget else [])
     cmd += ["--weights-in-ram"] if ROWS[name][1] == "weights" else []
     cmd += ["--delayed"] if name.endswith("-dpu") else []
+    cmd += ["--step-in-backward"] if _steps_in_backward(name) else []
     env = {**os.environ, **WORKER_ENV, "MASTER_PORT": str(29700 + len(name))}
     log = C.results_dir("logs") / f"bench_infinity-{name}-{model}.log"
     disk_peak = [0]
@@ -420,16 +472,42 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
     res.update(step_s=step, peak_rss_mb=rec["peak_rss_mb"], setup_s=rec["setup_s"], losses=rec["losses"],
                read_bytes_per_step=C.summarize(rec["read_bytes"])["median"],
                write_bytes_per_step=C.summarize(rec["write_bytes"])["median"],
-               tokens_per_s=MICRO * SEQ / step["median"], memory_report=rec.get("memory_report"),
+               tokens_per_s=MICRO * SEQ * args.accumulation / step["median"],
+               memory_report=rec.get("memory_report"), disk_idle=_median_of(rec.get("disk_idle")),
+               speculation=_median_of(rec.get("speculation")),
                phases_s=rec.get("phases_s"), setup_peak_mb=rec.get("setup_peak_mb"),
                rss_peaks_mb=rec.get("rss_peaks_mb"))
     res["io_gb_s"] = (res["read_bytes_per_step"] + res["write_bytes_per_step"]) / step["median"] / 1e9
     return res
 
 
+def _median_of(per_step: list | None) -> dict | None:
+    """Per key, the median over the timed steps of dicts (None where a step had none)."""
+    if not per_step or any(d is None for d in per_step):
+        return None
+    return {k: C.summarize([d[k] for d in per_step])["median"] for k in per_step[0]}
+
+
+def _idle_cell(r: dict) -> str:
+    """Seconds per step the disk had nothing in flight, and (no read / no write) apart."""
+    d = r.get("disk_idle")
+    if not d:
+        return "n/a"
+    return f"{d['idle_s']:.1f} ({d['read_idle_s']:.1f}/{d['write_idle_s']:.1f})"
+
+
+def _redo_cell(r: dict) -> str:
+    """The speculative step's redo per step: seconds, and redone of committed + redone."""
+    d = r.get("speculation")
+    if not d:
+        return "n/a"
+    return f"{d['redo_s']:.2f} s, {d['redone']:.0f}/{d['committed'] + d['redone']:.0f} redone"
+
+
 def _note(r: dict) -> str:
     """The budget, and the RSS peak of setup and of the timed steps apart (which one set the run's)."""
     parts = [f"budget {r['budget_gib']:.1f} GiB"] if r["budget_gib"] else []
+    parts.append(f"clip {r['clipping']:g}" + (f", accum {r['accumulation']}" if r["accumulation"] > 1 else ""))
     peaks = [max(x or 0 for x in p[:3]) for p in (r.get("rss_peaks_mb") or [])]
     if r.get("setup_peak_mb") and peaks:
         parts.append(f"peak setup {r['setup_peak_mb'] / 1024:.2f}, steps {max(peaks) / 1024:.2f} GiB")
@@ -438,19 +516,19 @@ def _note(r: dict) -> str:
 
 def report(results: list[dict]) -> str:
     headers = ["model", "row", "s/step", "tokens/s", "vs DS", "peak RSS GiB", "disk GB", "read GB/step",
-               "write GB/step", "I/O GB/s", "note"]
+               "write GB/step", "I/O GB/s", "disk idle s (no read/no write)", "redo", "note"]
     ds = {r["model"]: r for r in results if r["row"] == "ds-inf" and r["status"] == "ok"}
     rows = []
     for r in results:
         if r["status"] != "ok":
-            rows.append([r["model"], r["row"], "", "", "", "", "", "", "", "", f"{r['status']}: {r.get('reason', '')}"[:100]])
+            rows.append([r["model"], r["row"]] + [""] * 10 + [f"{r['status']}: {r.get('reason', '')}"[:100]])
             continue
         peer = ds.get(r["model"])
         rows.append([r["model"], r["row"], C.fmt_num(r["step_s"]["median"], ".2f"), C.fmt_num(r["tokens_per_s"], ".1f"),
                      C.fmt_num(C.ratio(r["tokens_per_s"], peer["tokens_per_s"]) if peer else None, ".2f", "x"),
                      C.fmt_num(r["peak_rss_mb"] / 1024, ".2f"), C.fmt_num(r["disk_peak_bytes"] / 1e9, ".1f"),
                      C.fmt_num(r["read_bytes_per_step"] / 1e9, ".2f"), C.fmt_num(r["write_bytes_per_step"] / 1e9, ".2f"),
-                     C.fmt_num(r["io_gb_s"], ".2f"), _note(r)])
+                     C.fmt_num(r["io_gb_s"], ".2f"), _idle_cell(r), _redo_cell(r), _note(r)])
     return C.format_table(headers, rows)
 
 
@@ -471,7 +549,8 @@ def main(argv=None) -> int:
     parent.mkdir(parents=True, exist_ok=True)
     machine = C.machine_info()
     print(f"bench_infinity: models {models}, rows {rows}; stage 3, params + optimizer on NVMe, bf16, AdamW, "
-          f"seq {SEQ}, micro-batch {MICRO}, 1 rank x {WORKER_ENV['OMP_NUM_THREADS']} threads; swap under {parent}",
+          f"seq {SEQ}, micro-batch {MICRO}, 1 rank x {WORKER_ENV['OMP_NUM_THREADS']} threads, gradient_clipping "
+          f"{args.clipping:g}, accumulation {args.accumulation}; swap under {parent}",
           flush=True)
     disk = disk_bandwidth(parent)
     print(f"disk (dd, O_DIRECT, 1 MiB blocks): write {disk['write_gb_s']:.2f} GB/s, read {disk['read_gb_s']:.2f} GB/s",
@@ -502,6 +581,8 @@ def main(argv=None) -> int:
     print(table)
     path = C.write_json("bench_infinity", {"benchmark": "bench_infinity", "argv": sys.argv[1:],
                                            "setup": {"vocab": VOCAB, "seq": SEQ, "micro_batch": MICRO,
+                                                     "gradient_clipping": args.clipping,
+                                                     "accumulation": args.accumulation,
                                                      "models": {m: {"shape": MODELS[m], "params": n_params(m)} for m in models},
                                                      "worker_env": WORKER_ENV, "adamw": ADAMW},
                                            "disk": disk, "machine": machine, "rows": results, "table": table}, args.out)

@@ -97,6 +97,9 @@ def test_nvme_equals_cpu_offload(tmp_path, stage, dtype, world, opt):
         assert nvme[r]["nvme_numel"] > 0 and nvme[r]["host_numel"] == 0
         assert nvme[r]["losses"] == cpu[r]["losses"]
         _exact(nvme[r]["weights"], cpu[r]["weights"])
+        io = nvme[r]["io"]  # the disk's idle time over the last step, reported
+        assert 0 <= io["idle_s"] <= min(io["read_idle_s"], io["write_idle_s"]) <= io["window_s"]
+        assert "disk idle" in nvme[r]["report"]
     assert not os.listdir(tmp_path), "the swap directory is removed when the engine is destroyed"
 
 

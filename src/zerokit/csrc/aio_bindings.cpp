@@ -71,5 +71,9 @@ PYBIND11_MODULE(_aio, m) {
       .def_property_readonly("backend", &Engine::backend)
       .def_property_readonly("fallback_reason", &Engine::fallback_reason)
       .def_property_readonly("kernel_blocks", &Engine::kernel_blocks)
-      .def_property_readonly("pool_blocks", &Engine::pool_blocks);
+      .def_property_readonly("pool_blocks", &Engine::pool_blocks)
+      .def("idle_s", [](const Engine& e) {
+        auto t = e.idle_s();
+        return py::make_tuple(t[0], t[1], t[2]);
+      });
 }

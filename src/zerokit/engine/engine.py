@@ -537,6 +537,9 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
                      f"{io['bytes_written'] / 2**20:.2f} MiB, {io['gb_per_s']:.2f} GB/s over "
                      f"{io['io_s']:.3f} s, threads waited {io['wait_s']:.3f} s on I/O "
                      f"(optimizer stream {io['stream_s']:.3f} s)")
+            if "idle_s" in io:  # where the disk waited on compute (see nvme_io)
+                text += (f"; disk idle {io['idle_s']:.3f} s of the step's {io['window_s']:.3f} s "
+                         f"(no read {io['read_idle_s']:.3f} s, no write {io['write_idle_s']:.3f} s)")
         return text
 
     def memory_timeline(self):
@@ -547,8 +550,10 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
     def nvme_io(self) -> dict:
         """The last step's NVMe I/O, {} without NVMe: bytes read and written since the previous
         step's end (weights read for forward and backward, gradients, the optimizer stream, the
-        weights written back), GB/s over the I/O's wall time, seconds threads waited on it, and
-        the optimizer stream's own wall time."""
+        weights written back), GB/s over the I/O's wall time, seconds threads waited on it, the
+        optimizer stream's own wall time, and the disk's idle time over the step (`window_s`,
+        since the previous step's report): `idle_s` with no request in flight, `read_idle_s`
+        with no read, `write_idle_s` with no write (the I/O engine's own clock)."""
         return self.ledger.io(TierName.NVME)
 
     def _record_io(self) -> None:

@@ -10,6 +10,7 @@ import ctypes
 import errno
 import os
 import threading
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -21,6 +22,43 @@ CHECKSUM_ALGORITHM = "crc32"
 
 def _view(ptr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+
+
+class Activity:
+    """The native engine's idle clock (csrc/aio/activity.h): seconds no read, no write, and
+    nothing was in flight since construction, the interval open now included."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = [0, 0]
+        now = time.perf_counter()
+        self._since = [now, now, now]  # when each became idle (meaningful while it is)
+        self._total = [0.0, 0.0, 0.0]
+
+    def _idle(self, k: int) -> bool:
+        return self._in_flight[k] == 0 if k < 2 else self._in_flight == [0, 0]
+
+    def begin(self, write: bool) -> None:
+        with self._lock:
+            now, k = time.perf_counter(), int(write)
+            for i in (k, 2):
+                if self._idle(i):
+                    self._total[i] += now - self._since[i]
+            self._in_flight[k] += 1
+
+    def end(self, write: bool) -> None:
+        with self._lock:
+            now, k = time.perf_counter(), int(write)
+            self._in_flight[k] -= 1
+            for i in (k, 2):
+                if self._idle(i):
+                    self._since[i] = now
+
+    def idle_s(self) -> tuple[float, float, float]:
+        with self._lock:
+            now = time.perf_counter()
+            return tuple(t + (now - s if self._idle(i) else 0.0)
+                         for i, (t, s) in enumerate(zip(self._total, self._since)))
 
 
 class Engine:
@@ -38,6 +76,10 @@ class Engine:
         self._lock = threading.Lock()
         self._next = 1
         self._requests: dict[int, tuple[list[Future], int | None]] = {}
+        self._activity = Activity()
+
+    def idle_s(self) -> tuple[float, float, float]:
+        return self._activity.idle_s()
 
     def num_blocks(self, nbytes: int, offset: int) -> int:
         if nbytes <= 0:
@@ -59,6 +101,18 @@ class Engine:
                                              stop - pos, pos, want_checksums or exp is not None,
                                              exp))
             pos, i = stop, i + 1
+        if futures:  # in flight until its last block ends
+            self._activity.begin(write)
+            left, lock = [len(futures)], threading.Lock()
+
+            def block_done(_f):
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    self._activity.end(write)
+            for f in futures:
+                f.add_done_callback(block_done)
         with self._lock:
             self.pool_blocks += len(futures)
             rid = self._next

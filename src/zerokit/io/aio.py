@@ -308,6 +308,11 @@ class AsyncIO:
         the pool: buffered files, unaligned edges, or every block without linux-aio)."""
         return {"kernel": self._engine.kernel_blocks, "threads": self._engine.pool_blocks}
 
+    def idle_s(self) -> tuple[float, float, float]:
+        """Seconds since this engine started during which no read, no write, and nothing at all
+        was in flight (submitted, not finished: the engine's own clock, not the callers' waits)."""
+        return tuple(self._engine.idle_s())
+
     def num_blocks(self, nbytes: int, offset: int = 0) -> int:
         """How many checksums a request of nbytes at offset has (one per block)."""
         return self._engine.num_blocks(nbytes, offset)

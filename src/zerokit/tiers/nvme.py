@@ -25,9 +25,10 @@ offload_param's path where that names another than offload_optimizer's (another 
 at once). What a dead run of this rank left there is removed when the tier starts, and said
 (`stale_files`); `close()` removes the tier's directories.
 
-`stats` counts the bytes read and written, the time callers were blocked in `wait()`, and the
-wall time from the first submission to the last completion since `stats.reset()`: the per-step
-I/O report (engine.memory_report(), the ledger) reads them.
+`stats` counts the bytes read and written, the time callers were blocked in `wait()`, the
+wall time from the first submission to the last completion, and the time the disk idled (no
+read, no write, nothing of this tier's engine in flight: its own clock) since `stats.reset()`:
+the per-step I/O report (engine.nvme_io(), memory_report(), the ledger) reads them.
 """
 from __future__ import annotations
 
@@ -51,10 +52,16 @@ from zerokit.tier_names import TierName
 
 
 class IOStats:
-    """Bytes moved and time spent, since the last reset (thread-safe)."""
+    """Bytes moved and time spent, since the last reset (thread-safe).
 
-    def __init__(self) -> None:
+    With `idle_clock` (AsyncIO.idle_s: seconds no read / no write / nothing was in flight since
+    the engine started) a snapshot also says how long the disk idled since the reset: `idle_s`
+    (no request of either kind in flight), `read_idle_s` and `write_idle_s`, out of `window_s`
+    (the wall time since the reset: with one take() per step, the step)."""
+
+    def __init__(self, idle_clock: Callable[[], tuple[float, float, float]] | None = None) -> None:
         self._lock = threading.Lock()
+        self._idle_clock = idle_clock
         self.total_read = self.total_written = 0  # since the tier opened (never reset)
         self.reset()
 
@@ -68,6 +75,8 @@ class IOStats:
         self.wait_s = 0.0  # callers blocked in wait()
         self._first: float | None = None  # first submission
         self._last: float | None = None  # last completion
+        self._start = time.perf_counter()
+        self._idle0 = self._idle_clock() if self._idle_clock else None
 
     def take(self) -> dict[str, float]:
         """The snapshot, and a reset, at once (no submission falls between the two)."""
@@ -101,9 +110,15 @@ class IOStats:
 
     def snapshot(self) -> dict[str, float]:
         moved = self.bytes_read + self.bytes_written
-        return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-                "io_s": self.io_s, "wait_s": self.wait_s,
-                "gb_per_s": moved / self.io_s / 1e9 if self.io_s > 0 else 0.0}
+        out = {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+               "io_s": self.io_s, "wait_s": self.wait_s,
+               "gb_per_s": moved / self.io_s / 1e9 if self.io_s > 0 else 0.0,
+               "window_s": time.perf_counter() - self._start}
+        if self._idle0 is not None:
+            now = self._idle_clock()
+            out["read_idle_s"], out["write_idle_s"], out["idle_s"] = (
+                max(0.0, b - a) for a, b in zip(self._idle0, now))
+        return out
 
 
 class NvmeHandle:
@@ -164,7 +179,7 @@ class NvmeTier:
         self.weights_directory = self._claims[-1].path
         self.directories = [c.path for c in self._claims]
         self.stale_files = [f for c in self._claims for f in c.stale_files]
-        self.stats = IOStats()
+        self.stats = IOStats(self.aio.idle_s)
         self._ranges: dict[str, FileRange] = {}
         self._lock = threading.Lock()  # allocate / free from several threads (a swapper's callbacks)
         self._closed = False

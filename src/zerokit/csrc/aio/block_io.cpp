@@ -31,6 +31,7 @@ void Request::finish_block(int err, int64_t off, int64_t got, int64_t bytes) {
       result.err = errno;
       result.err_offset = 0;
     }
+    if (activity) activity->end(write);
     finished = true;
     cv.notify_all();
   }

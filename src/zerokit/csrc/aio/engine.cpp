@@ -90,6 +90,9 @@ int64_t Engine::submit(bool write, int fd, bool direct, char* ptr, int64_t nbyte
   if (nblocks == 0) {
     if (fsync && write && ::fdatasync(fd) != 0) req->result.err = errno;
     req->finished = true;
+  } else {  // in flight from here until its last block finishes (Request::finish_block)
+    req->activity = activity_;
+    activity_->begin(write);
   }
   std::vector<Block> to_kernel;
   int64_t id;

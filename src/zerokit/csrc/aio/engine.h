@@ -16,6 +16,7 @@
 // single_submit and overlap_events are accepted for DeepSpeed config compatibility: submission
 // is batched and completions overlap submission in both backends.
 #pragma once
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -69,6 +70,8 @@ class Engine {
   // Blocks submitted so far to each backend: which path the bytes really took.
   int64_t kernel_blocks() const { return kernel_blocks_; }
   int64_t pool_blocks() const { return pool_blocks_; }
+  // Seconds no read / no write / nothing was in flight since construction (aio/activity.h).
+  std::array<double, 3> idle_s() const { return activity_->idle_s(); }
 
  private:
   void start_pool_locked();
@@ -85,6 +88,7 @@ class Engine {
   std::unordered_map<int64_t, std::shared_ptr<Request>> requests_;
   std::vector<std::thread> workers_;
   std::atomic<int64_t> kernel_blocks_{0}, pool_blocks_{0};
+  std::shared_ptr<Activity> activity_ = std::make_shared<Activity>();
 };
 
 }  // namespace zk_aio

@@ -8,6 +8,8 @@
 #include <mutex>
 #include <vector>
 
+#include "aio/activity.h"
+
 namespace zk_aio {
 
 constexpr int64_t kAlign = 4096;
@@ -38,6 +40,9 @@ struct Request {
   // only makes unrelated files share locks.
   uint64_t dev = 0, ino = 0;
   std::vector<uint32_t> expected;
+  // The engine's idle clock, told when the last block finishes (null for an empty request,
+  // never counted as in flight).
+  std::shared_ptr<Activity> activity;
   std::mutex mu;
   std::condition_variable cv;
   int64_t remaining = 0;

@@ -1,0 +1,49 @@
+"""bench_infinity's options reach both sides' configs: gradient_clipping and accumulation are the
+same keys for DeepSpeed and zerokit, a row's own clipping wins, and bad values are refused naming
+the option (the rows themselves take minutes: benchmarks are run by hand, not here)."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import bench_infinity as B  # noqa: E402
+
+
+@pytest.mark.parametrize("clip,accum", [(1.0, 1), (0.0, 4), (1e-3, 1)])
+def test_clipping_and_accumulation_go_to_both_sides(clip, accum):
+    ds = B.ds_config("/swap", "1b", clip, accum)
+    zk = B.zk_config("/swap", "1b", None, clipping=clip, accumulation=accum)
+    for cfg in (ds, zk):
+        assert cfg["gradient_clipping"] == clip and cfg["gradient_accumulation_steps"] == accum
+
+
+def test_defaults_are_deepspeeds_and_the_clip_row_always_clips():
+    args = B.parse_args([])
+    assert args.clipping == 1.0 and args.accumulation == 1
+    assert B.ROW_CLIPPING["zk-inf-ds-clip"] == 1e-3
+    # the budgeted rows keep their keys; zk-inf keeps gradients in files, zk-inf-sib steps in backward
+    assert B._steps_in_backward("zk-inf-ds-clip") and B._steps_in_backward("zk-inf-sib")
+    assert not B._steps_in_backward("zk-inf")
+    zk = B.zk_config("/swap", "1b", None)
+    assert zk["zero_optimization"]["offload_optimizer"]["step_in_backward"] is False
+    sib = B.zk_config("/swap", "1b", None, step_in_backward=True)
+    assert sib["zero_optimization"]["offload_optimizer"]["step_in_backward"] is True
+    assert sib["zero_optimization"]["offload_optimizer"]["max_in_cpu"] == 0
+
+
+@pytest.mark.parametrize("argv,word", [(["--clipping", "-1"], "--clipping"),
+                                       (["--accumulation", "0"], "--accumulation")])
+def test_bad_values_are_refused_naming_the_option(argv, word, capsys):
+    with pytest.raises(SystemExit):
+        B.parse_args(argv)
+    assert word in capsys.readouterr().err
+
+
+def test_table_cells_say_n_a_without_counters():
+    row = {"disk_idle": None, "speculation": None}
+    assert B._idle_cell(row) == "n/a" and B._redo_cell(row) == "n/a"
+    row = {"disk_idle": {"idle_s": 6.4, "read_idle_s": 7.8, "write_idle_s": 9.8, "window_s": 24.7},
+           "speculation": {"committed": 0, "redone": 1, "skipped": 0, "redo_s": 3.25}}
+    assert B._idle_cell(row) == "6.4 (7.8/9.8)"
+    assert B._redo_cell(row) == "3.25 s, 1/1 redone"
