@@ -140,16 +140,21 @@ def replay_exchanges(exchanges: list[tuple[str, int, int]]) -> dict[str, float]:
     return dict(out)
 
 
-def local_compute(build_model: Callable[[], Any], make_opt: Callable[[Any], Any],
-                  batches: list[tuple[Any, Any]], warmup: int) -> dict[str, float]:
-    """Median seconds of forward, backward, step of the plain model on this rank alone."""
+def local_compute(build_model: Callable[[], Any], adamw: dict, args: Any, rank: int
+                  ) -> dict[str, float]:
+    """Median seconds of forward, backward, step of the plain model on this rank alone (every
+    rank at once, so the cores are as busy as in the row), on the row's kind of batches."""
+    import torch
     import torch.distributed as dist
 
+    g = torch.Generator().manual_seed(args.seed + 1 + rank)
     model = build_model()
-    opt = make_opt(model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
     times: dict[str, list[float]] = {p: [] for p in PHASES}
     dist.barrier()
-    for i, (x, y) in enumerate(batches):
+    for i in range(args.warmup + args.steps):
+        t = torch.randint(0, 256, (args.micro_batch, args.seq + 1), generator=g)
+        x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
         t0 = time.perf_counter()
         loss = model(x, y)
         t1 = time.perf_counter()
@@ -158,7 +163,7 @@ def local_compute(build_model: Callable[[], Any], make_opt: Callable[[Any], Any]
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        if i >= warmup:
+        if i >= args.warmup:
             for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
                 times[p].append(dt)
     return {p: statistics.median(v) for p, v in times.items()}

@@ -98,6 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds: every row once per round, rows alternated, the median over rounds "
                         "reported (default 1; 2 with --compare)")
+    p.add_argument("--without", default="", metavar="GUARANTEES",
+                   help="zerokit rows without a guarantee, to price it: 'agreement' (no rank-"
+                        "agreement headers) and/or 'publish' (async_weight_publish: step() returns "
+                        "before the new weights landed); comma-separated")
     p.add_argument("--profile", action="store_true",
                    help="also a per-phase profile of each row beside the same model trained "
                         "locally, zerokit's rows split by function, and the overlap (_profile.py)")
@@ -105,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    unknown = set(filter(None, args.without.split(","))) - {"agreement", "publish"}
+    if unknown:
+        p.error(f"--without: unknown {sorted(unknown)}; allowed: agreement, publish")
     if args.rounds is None:
         args.rounds = 2 if args.compare else 1
     if args.steps < 1 or args.warmup < 0:
@@ -275,14 +282,19 @@ def setup_zerokit(args, rec, stage):
         raise NotAvailable(f"import zerokit failed ({e})") from e
     if not hasattr(zerokit, "initialize"):
         raise NotAvailable("zerokit has no initialize() yet")
-    rec["zerokit_config"] = zerokit_config(args, stage)
+    config = zerokit_config(args, stage)
+    if "publish" in args.without.split(","):
+        config["zero_optimization"]["async_weight_publish"] = True
+    rec["zerokit_config"] = config
     rec["zerokit_file"] = zerokit.__file__  # which tree the row ran (--compare checks it)
     rec["rss_baseline_mb"] = C.current_rss_mb()
     model = _build_model(args)
     # zerokit initializes torch.distributed itself from torchrun's env vars (as deepspeed does).
     engine, _, _, _ = zerokit.initialize(model=model, model_parameters=model.parameters(),
-                                         config=zerokit_config(args, stage))
+                                         config=config)
     _init_gloo()  # no-op if zerokit did it; the harness needs it for its barriers
+    if "agreement" in args.without.split(","):
+        engine.comm.agreement = None  # priced by --without (never a user setting)
 
     def step(x, y):
         PROF.phase = "forward"
@@ -316,6 +328,9 @@ def run_worker(args) -> int:
         out.write_text(json.dumps(rec, indent=1) + "\n")
 
     try:
+        if args.profile:  # the local reference first, in the same fresh process for every row
+            _init_gloo()  # zerokit and DeepSpeed reuse it
+            rec["local"] = P.local_compute(lambda: _build_model(args), ADAMW, args, rank)
         t0 = C.now()
         try:
             if family == "ddp":
@@ -365,12 +380,8 @@ def run_worker(args) -> int:
         if args.profile:
             import torch
 
-            rec["profile"] = {
-                "labels": PROF.medians(), "alone": P.replay_exchanges(PROF.exchanges),
-                "local": P.local_compute(lambda: _build_model(args),
-                                         lambda ps: torch.optim.AdamW(ps, **ADAMW),
-                                         [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks],
-                                         args.warmup)}
+            rec["profile"] = {"labels": PROF.medians(), "local": rec.pop("local"),
+                              "alone": P.replay_exchanges(PROF.exchanges)}
         dist.barrier()
         dump()
         dist.destroy_process_group()
@@ -396,7 +407,7 @@ def _count_params(args) -> int:
 
 # ===================================================================================== parent
 def _forwarded_args(args) -> list[str]:
-    return (["--profile"] if args.profile else []) + ["--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
+    return (["--profile"] if args.profile else []) + ["--without", args.without, "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
             "--width", str(args.width), "--heads", str(args.heads), "--seq", str(args.seq),
             "--micro-batch", str(args.micro_batch), "--seed", str(args.seed)]
 
