@@ -3,8 +3,9 @@
 rendezvous-less launch does). Trains stage 2 and, on the rank in argv[2], SIGKILLs itself at the
 point of step 1 named by argv[1]:
   start: before forward;  forward: in a block's forward;  backward: in a gradient hook (the
-  reductions of later units in flight);  step: in the optimizer's step (after the step's
-  all-reduce);  publish: after step() returned, before the next forward.
+  reductions of later units in flight);  reduced: after backward returned (every reduction
+  landed on both ranks; the peer meets the death in the step's all-reduce);  step: in the
+  optimizer's step (after the step's all-reduce);  publish: after step() returned.
 Prints "STEP n" after each step and the error the survivor raised, with the time it took."""
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def main() -> None:
             start = time.monotonic()
             loss = engine(x, y)
             engine.backward(loss)
+            if armed[0] and point == "reduced":
+                die()
             engine.step()
             print(f"STEP {engine.global_steps}", flush=True)
             if armed[0] and point == "publish":

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.robustness
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
 BOUND_S = 60  # the survivor's error, after the kill (comm_timeout_s is 600 in the worker)
-POINTS = ["start", "forward", "backward", "step", "publish"]
+POINTS = ["start", "forward", "backward", "reduced", "step", "publish"]
 
 
 def _free_port() -> int:
