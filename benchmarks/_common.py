@@ -214,3 +214,25 @@ def write_json(name: str, payload: dict[str, Any], out: str | os.PathLike | None
     path.write_text(text)
     (RESULTS_DIR / f"{name}-latest.json").write_text(text)
     return path
+
+
+def merge_rounds(names: list[str], rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """One result per row: the last round's, its times the median of the rounds' medians (the
+    rounds' own medians kept in "step_s_rounds"), min / max / peak RSS over every round."""
+    import statistics
+
+    merged = {}
+    for name in names:
+        runs = [r[name] for r in rounds]
+        ok = [r for r in runs if r["status"] == "ok"]
+        if len(ok) < len(runs):
+            merged[name] = next(r for r in runs if r["status"] != "ok")
+            continue
+        res = dict(ok[-1])
+        res["step_s_rounds"] = [r["step_s"]["median"] for r in ok]
+        for part in ("step_s", "forward_s", "backward_s", "optimizer_s"):
+            res[part] = dict(res[part], median=statistics.median(r[part]["median"] for r in ok),
+                             min=min(r[part]["min"] for r in ok), max=max(r[part]["max"] for r in ok))
+        res["peak_rss_mb"] = max(r["peak_rss_mb"] for r in ok)
+        merged[name] = res
+    return merged

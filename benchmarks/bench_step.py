@@ -5,6 +5,8 @@
     python benchmarks/bench_step.py --only ddp,ds-z2,zk-z2 --steps 20
     python benchmarks/bench_step.py --zero3                                       # + the ZeRO-3 rows
     python benchmarks/bench_step.py --compare HEAD~1 --rounds 3   # zerokit rows: this tree vs HEAD~1
+    python benchmarks/bench_step.py --zero3 --rounds 2   # every row twice, alternated; medians
+    python benchmarks/bench_step.py --only ddp,zk-z2,zk-z3 --profile   # + where each phase's time goes
 
 Each row is launched as its own `torchrun --standalone --nproc-per-node N` job (N=2 gloo ranks on
 this CPU, one intra-op thread per rank) that trains the demo GPT (6 layers, width 512, seq 256,
@@ -35,6 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+import _profile as P  # noqa: E402
+
+PROF = P.Profiler()  # a worker's profile (bench_step --profile); phases set by the zerokit row
 
 # name -> (family, zero stage or None, label)
 ROWS: dict[str, tuple[str, int | None, str]] = {
@@ -90,11 +95,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare", default=None, metavar="REV",
                    help="run the zerokit rows against this tree and git revision REV, alternating "
                         "(benchmarks/_compare.py); default rows: zk-z1, zk-z2, zk-z3")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of --compare (default 2)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds: every row once per round, rows alternated, the median over rounds "
+                        "reported (default 1; 2 with --compare)")
+    p.add_argument("--without", default="", metavar="GUARANTEES",
+                   help="zerokit rows without a guarantee, to price it: 'agreement' (no rank-"
+                        "agreement headers) and/or 'publish' (async_weight_publish: step() returns "
+                        "before the new weights landed); comma-separated")
+    p.add_argument("--profile", action="store_true",
+                   help="also a per-phase profile of each row beside the same model trained "
+                        "locally, zerokit's rows split by function, and the overlap (_profile.py)")
     # internal: a rank of one row, started by torchrun from the parent
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    unknown = set(filter(None, args.without.split(","))) - {"agreement", "publish"}
+    if unknown:
+        p.error(f"--without: unknown {sorted(unknown)}; allowed: agreement, publish")
+    if args.rounds is None:
+        args.rounds = 2 if args.compare else 1
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
@@ -263,23 +282,34 @@ def setup_zerokit(args, rec, stage):
         raise NotAvailable(f"import zerokit failed ({e})") from e
     if not hasattr(zerokit, "initialize"):
         raise NotAvailable("zerokit has no initialize() yet")
-    rec["zerokit_config"] = zerokit_config(args, stage)
+    config = zerokit_config(args, stage)
+    if "publish" in args.without.split(","):
+        config["zero_optimization"]["async_weight_publish"] = True
+    rec["zerokit_config"] = config
     rec["zerokit_file"] = zerokit.__file__  # which tree the row ran (--compare checks it)
     rec["rss_baseline_mb"] = C.current_rss_mb()
     model = _build_model(args)
     # zerokit initializes torch.distributed itself from torchrun's env vars (as deepspeed does).
     engine, _, _, _ = zerokit.initialize(model=model, model_parameters=model.parameters(),
-                                         config=zerokit_config(args, stage))
+                                         config=config)
     _init_gloo()  # no-op if zerokit did it; the harness needs it for its barriers
+    if "agreement" in args.without.split(","):
+        engine.comm.agreement = None  # priced by --without (never a user setting)
 
     def step(x, y):
+        PROF.phase = "forward"
         loss = engine(x, y)
         t1 = C.now()
+        PROF.phase = "backward"
         engine.backward(loss)
         t2 = C.now()
+        PROF.phase = "step"
         engine.step()
+        PROF.phase = "other"
         return loss, t1, t2
 
+    if args.profile:
+        P.instrument_zerokit(PROF)
     return engine, step
 
 
@@ -298,6 +328,9 @@ def run_worker(args) -> int:
         out.write_text(json.dumps(rec, indent=1) + "\n")
 
     try:
+        if args.profile:  # the local reference first, in the same fresh process for every row
+            _init_gloo()  # zerokit and DeepSpeed reuse it
+            rec["local"] = P.local_compute(lambda: _build_model(args), ADAMW, args, rank)
         t0 = C.now()
         try:
             if family == "ddp":
@@ -330,9 +363,12 @@ def run_worker(args) -> int:
         for i in range(n):
             x, y = toks[i][:, :-1].contiguous(), toks[i][:, 1:].contiguous()
             dist.barrier()
+            PROF.start_step(record=i == n - 1)
             t0 = C.now()
             loss, t1, t2 = step(x, y)
             t3 = C.now()
+            if i >= args.warmup:
+                PROF.end_step()
             losses.append(float(loss.detach()))
             if i >= args.warmup:
                 fwd.append(t1 - t0)
@@ -341,6 +377,11 @@ def run_worker(args) -> int:
                 total.append(t3 - t0)
         rec.update(step_s=total, forward_s=fwd, backward_s=bwd, optimizer_s=opt, losses=losses)
         rec["rss_end_mb"] = C.current_rss_mb()
+        if args.profile:
+            import torch
+
+            rec["profile"] = {"labels": PROF.medians(), "local": rec.pop("local"),
+                              "alone": P.replay_exchanges(PROF.exchanges)}
         dist.barrier()
         dump()
         dist.destroy_process_group()
@@ -366,7 +407,7 @@ def _count_params(args) -> int:
 
 # ===================================================================================== parent
 def _forwarded_args(args) -> list[str]:
-    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
+    return (["--profile"] if args.profile else []) + ["--without", args.without, "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
             "--width", str(args.width), "--heads", str(args.heads), "--seq", str(args.seq),
             "--micro-batch", str(args.micro_batch), "--seed", str(args.seed)]
 
@@ -428,6 +469,8 @@ def run_row(name: str, args, log_dir: Path, extra_env: dict[str, str] | None = N
     res["losses_rank0"] = ranks[0]["losses"]
     res["final_loss_rank0"] = ranks[0]["losses"][-1]
     res["n_params"] = ranks[0]["n_params"]
+    if "profile" in ranks[0]:
+        res["profile"] = ranks[0]["profile"]
     return res
 
 
@@ -499,21 +542,28 @@ def main(argv=None) -> int:
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} cpus, torch {machine['torch']}, "
           f"deepspeed {machine.get('deepspeed')}", flush=True)
     log_dir = C.results_dir("logs")
-    results: dict[str, dict] = {}
-    for name in names:
-        r = run_row(name, args, log_dir)
-        results[name] = r
-        if r["status"] == "ok":
-            print(f"  {name:6s} {r['step_s']['median']:.3f} s/step  peak RSS {r['peak_rss_mb']:.0f} MiB  "
-                  f"(row wall {r['wall_s']:.0f} s)", flush=True)
-        else:
-            print(f"  {name:6s} {r['status']}: {r.get('reason', '')}", flush=True)
-            for line in r.get("log_tail", []):
-                print(f"      | {line}")
+    rounds: list[dict[str, dict]] = []
+    for k in range(args.rounds):
+        results: dict[str, dict] = {}
+        for name in (names if k % 2 == 0 else names[::-1]):  # alternated: no row always first
+            r = run_row(name, args, log_dir)
+            results[name] = r
+            if r["status"] == "ok":
+                print(f"  round {k + 1} {name:6s} {r['step_s']['median']:.3f} s/step  peak RSS "
+                      f"{r['peak_rss_mb']:.0f} MiB  (row wall {r['wall_s']:.0f} s)", flush=True)
+            else:
+                print(f"  round {k + 1} {name:6s} {r['status']}: {r.get('reason', '')}", flush=True)
+                for line in r.get("log_tail", []):
+                    print(f"      | {line}")
+        rounds.append(results)
+    results = C.merge_rounds(names, rounds)
     add_loss_check(results)
     table = report(results)
     print()
     print(table)
+    if args.profile:
+        print("\nper-phase profile (ms, medians over the timed steps, rank 0; see benchmarks/_profile.py)")
+        print(P.table(results))
     machine["loadavg_at_end"] = list(os.getloadavg())
     path = C.write_json("bench_step", {"benchmark": "bench_step", "argv": sys.argv[1:], "setup": setup,
                                        "machine": machine, "rows": results, "table": table}, args.out)

@@ -72,3 +72,21 @@ def test_divergence_names_both_units_and_sizes() -> None:
     unknown = describe_divergence(0, 4, Signature(1, 5, 8), "unit 'x'", Signature(1, -1, 8),
                                   "another rank", [])
     assert "unit #-1" in unknown, unknown
+
+
+@pytest.mark.parametrize("n,per", [(8, 8), (9, 4), (12, 4), (1000003, 262144)])
+def test_gloo_pieces_are_all_full_size_and_cover_the_row(n: int, per: int) -> None:
+    # Data is posted before the headers are compared, so a diverged peer's message may meet any
+    # receive: every message of a row at least a piece long is exactly a piece (gloo aborts on a
+    # message longer than its receive), and together they cover the row.
+    from zerokit.comm.collectives import piece_starts
+
+    starts = piece_starts(n, per)
+    covered = set()
+    for lo in starts:
+        assert 0 <= lo and lo + per <= n
+        covered.update(range(lo, lo + per)) if n < 10_000 else None
+    assert starts[0] == 0 and starts[-1] == n - per
+    assert all(b - a <= per for a, b in zip(starts, starts[1:]))  # no gap
+    if n < 10_000:
+        assert covered == set(range(n))

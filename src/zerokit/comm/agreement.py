@@ -7,11 +7,21 @@ collective a unit issues therefore carries a *signature* (operation, unit index,
 and ranks compare signatures before the collective's result is used:
 
 - gloo (`HeaderedExchanges`): a 3-integer header travels point-to-point (its own tag) to every
-  peer when the collective is issued; the collective's own data is posted only once every peer's
-  header has arrived and matched, so mismatched sizes never reach gloo (no abort), and a mismatch
-  raises on every rank, naming both units. Headers are polled without blocking whenever a
-  collective is issued or waited on; a wait blocks only on headers its data waits for anyway.
-  Data is posted in issue order on every rank, so deferring never reorders collectives.
+  peer when the collective is issued, and the collective's data is posted at the same moment:
+  no round trip stands between issuing and moving data. The peers' headers are compared when the
+  collective is waited (before its result is used) and, for every collective issued so far,
+  where the engine settles (the step): a mismatch raises on every rank, naming both units.
+  Posting data before the check is safe on gloo because every data message is at most
+  `PIECE_BYTES` and every receive has room for that many (collectives.py `_exchange_pieces`):
+  gloo accepts a shorter message into a larger receive and aborts the process only on a longer
+  one, so a diverged peer's data can land wrongly, which the check reports, but never aborts.
+  gloo's own collectives (an all-reduce that carries a unit: stage 0) abort on any size
+  mismatch, so their data is still posted only once the headers matched: when a later
+  collective finds the headers arrived (their buffers start zeroed and a header's op is never
+  0; gloo's `is_completed()` stays False until `wait()`), or at their wait.
+  (Until issue #29 the data waited for the headers: gloo's `is_completed()` on a point-to-point
+  work stays False until `wait()`, so the data of every exchange was posted at its wait, and no
+  reduction or prefetch overlapped compute.)
 - NCCL (`LaggedChecks`): reading a device value blocks the host, so the signature goes through a
   small asynchronous all-reduce (max and min of each field) ahead of the data, its result is
   copied to pinned host memory behind a CUDA event, and the result is verified once the event has
@@ -177,16 +187,20 @@ class LaggedChecks:
                 self._on_mismatch(c.signature, c.where, Signature.of(other))
 
 
-# ---- gloo: headers before data ------------------------------------------------------------------
+# ---- gloo: headers beside data -----------------------------------------------------------------
 @dataclass
 class _Exchange:
     signature: Signature
     where: str
-    post: Callable[[], object]                    # issues the collective's data; returns its work
-    header_out: torch.Tensor
     header_in: dict[int, torch.Tensor]            # peer -> its header
     header_works: list = field(default_factory=list)
-    work: object | None = None                    # the data's work, once posted
+    post: Callable[[], object] | None = None     # data posted only once the headers matched
+    work: object | None = None                    # the data's work
+    checked: bool = False                         # the peers' headers were compared
+
+    def headers_arrived(self) -> bool:
+        """Every peer's header is here (a hint read without blocking: see the Note)."""
+        return all(int(h[0]) != 0 for h in self.header_in.values())
 
 
 class HeaderedExchanges:
@@ -197,38 +211,49 @@ class HeaderedExchanges:
         self.rank = rank
         self.peers = peers
         self._on_mismatch = on_mismatch
-        self._queue: deque[_Exchange] = deque()   # issued, data not yet posted, in issue order
+        self._unchecked: deque[_Exchange] = deque()   # issued, headers not compared, in issue order
 
-    def submit(self, sig: Signature, where: str, post: Callable[[], object]) -> _Exchange:
+    def submit(self, sig: Signature, where: str, post: Callable[[], object],
+               size_safe: bool = True) -> _Exchange:
+        """Send this rank's header to every peer and post the peers' headers' receives; post
+        the data now if `size_safe` (no size mismatch can abort it), else once headers matched."""
         out = torch.tensor(sig.values(), dtype=torch.int64)
-        entry = _Exchange(sig, where, post, out, {p: torch.empty(3, dtype=torch.int64) for p in self.peers})
+        entry = _Exchange(sig, where, {p: torch.zeros(3, dtype=torch.int64) for p in self.peers})
         for p in self.peers:
             entry.header_works.append(dist.isend(out, p, tag=HEADER_TAG))
             entry.header_works.append(dist.irecv(entry.header_in[p], p, tag=HEADER_TAG))
-        self._queue.append(entry)
         self.poll()
+        self._unchecked.append(entry)
+        if size_safe:
+            entry.work = post()
+        else:
+            entry.post = post
+            self.poll()
         return entry
 
     def poll(self) -> None:
-        """Post the data of the leading exchanges whose headers all arrived (never blocks)."""
-        while self._queue and all(w.is_completed() for w in self._queue[0].header_works):
-            self._post(self._queue.popleft())
+        """Check the leading exchanges whose headers arrived (never blocks for long)."""
+        while self._unchecked and self._unchecked[0].headers_arrived():
+            self._check(self._unchecked.popleft())
 
     def settle(self, entry: _Exchange | None = None) -> None:
-        """Post the data of every exchange up to `entry` (all, if None), waiting for headers."""
-        while self._queue and (entry is None or entry.work is None):
-            self._post(self._queue.popleft())
+        """Compare the headers of every exchange up to `entry` (all, if None), in issue order,
+        waiting for them: the headers of later exchanges pair with later ones."""
+        while self._unchecked and (entry is None or not entry.checked):
+            self._check(self._unchecked.popleft())
 
-    def _post(self, entry: _Exchange) -> None:
+    def _check(self, entry: _Exchange) -> None:
         for w in entry.header_works:
             w.wait()
+        entry.checked = True
         for p in self.peers:
             theirs = Signature.of(entry.header_in[p].tolist())
             if theirs != entry.signature:
                 self._on_mismatch(entry.signature, entry.where, theirs, p)
-        entry.work = entry.post()
+        if entry.post is not None:
+            entry.work = entry.post()
 
     def wait(self, entry: _Exchange) -> None:
-        """The exchange's data has arrived (its headers were checked first)."""
+        """The exchange's data has arrived, and its headers (checked first) agree."""
         self.settle(entry)
         entry.work.wait()

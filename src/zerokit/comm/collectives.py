@@ -10,7 +10,7 @@ Every collective goes through `Comm`, which
 - turns a failure (a dead peer, a timeout) into a `CollectiveError` that says which collective,
   for which unit, and which rank stopped heart-beating, instead of a bare backend error or a hang;
 - checks that every rank issues the same collective for the same unit, without a blocking read
-  per collective (see [Note: rank agreement] in comm/agreement.py).
+  or a round trip per collective (see [Note: rank agreement] in comm/agreement.py).
 """
 from __future__ import annotations
 
@@ -273,8 +273,8 @@ class Comm:
 
     def _run(self, op: str, where: str, call: Callable[[], object | None],
              finish: Callable[[], None] | None, async_op: bool) -> Handle:
-        """Issue a collective no signature travels with, after every deferred exchange was
-        posted (gloo pairs collectives in issue order, which deferral must not change)."""
+        """Issue a collective no signature travels with, after every gloo collective still
+        waiting for its headers was posted (gloo pairs collectives in issue order)."""
         if isinstance(self.agreement, HeaderedExchanges):
             self._guarded(op, where, self.agreement.settle)
         return self._launch(op, where, call, finish, async_op)
@@ -289,13 +289,13 @@ class Comm:
         return handle
 
     def _agreed(self, op: str, where: str, unit: int, nbytes: int, call: Callable[[], object | None],
-                finish: Callable[[], None] | None, async_op: bool) -> Handle:
+                finish: Callable[[], None] | None, async_op: bool, size_safe: bool = True) -> Handle:
         """Issue a collective whose signature (op, unit, bytes) every rank checks: see
-        [Note: rank agreement]. gloo posts `call` once the peers' headers matched."""
+        [Note: rank agreement]. gloo compares the peers' headers when the data is waited."""
         sig = Signature(OPS[op], unit, nbytes)
         if isinstance(self.agreement, HeaderedExchanges):
             exchanges = self.agreement
-            entry = self._guarded(op, where, lambda: exchanges.submit(sig, where, call))
+            entry = self._guarded(op, where, lambda: exchanges.submit(sig, where, call, size_safe))
             handle = Handle(_Deferred(exchanges, entry), finish, self._describer(op, where))
             if not async_op:
                 handle.wait()
@@ -320,8 +320,9 @@ class Comm:
         call = lambda: dist.all_reduce(require_backed(t, "all_reduce", where), red, async_op=True)  # noqa: E731
         if unit is None:
             return self._run("all_reduce", where, call, finish, async_op)
+        # gloo's all-reduce aborts on a size mismatch: posted once the headers matched.
         return self._agreed("all_reduce", where, unit, t.numel() * t.element_size(), call, finish,
-                            async_op)
+                            async_op, size_safe=False)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, where: str, *,
                        average: bool = True, async_op: bool = False, unit: int = -1,
@@ -360,11 +361,10 @@ class Comm:
         if self.backend == "gloo":
             def exchange() -> _Works:
                 require_backed(full, "all_gather", where)
-                works = []
+                works = _Works([])
                 for peer in self._peers():
-                    works.append(dist.isend(rows[self.rank], peer))
-                    works.append(dist.irecv(rows[peer], peer))
-                return _Works(works)
+                    _exchange_pieces(rows[self.rank], rows[peer], peer, works)
+                return works
         else:
             def exchange() -> object:
                 return dist.all_gather_into_tensor(require_backed(full, "all_gather", where),
@@ -385,11 +385,10 @@ class Comm:
 
         def exchange() -> _Works:
             require_backed(rows, "reduce_scatter", where)
-            works = []
+            works = _Works([])
             for peer in self._peers():
-                works.append(dist.isend(rows[peer], peer))
-                works.append(dist.irecv(received[peer], peer))
-            return _Works(works)
+                _exchange_pieces(rows[peer], received[peer], peer, works)
+            return works
 
         def finish() -> None:
             # Sum in rank order, so the result does not depend on which rank computes it.
@@ -427,7 +426,7 @@ class Comm:
 
 
 class _Deferred:
-    """The work of a gloo exchange whose data is posted once the peers' headers matched."""
+    """The work of a gloo exchange: its data waited once the peers' headers agree."""
 
     def __init__(self, exchanges: HeaderedExchanges, entry: object):
         self.exchanges, self.entry = exchanges, entry
@@ -437,11 +436,43 @@ class _Deferred:
 
 
 class _Works:
-    """Several backend works waited as one (the sends and receives of one exchange)."""
+    """Several backend works waited as one (the sends and receives of one exchange), then the
+    copies out of receive staging buffers."""
 
     def __init__(self, works: list):
         self.works = works
+        self.after: list[Callable[[], None]] = []
 
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+        for copy_out in self.after:
+            copy_out()
+
+
+# Every gloo data message is at most this long and every receive has room for this many bytes:
+# see [Note: rank agreement] in comm/agreement.py (gloo aborts the process on a message longer
+# than its receive, and the headers that would tell are compared only later).
+PIECE_BYTES = 1 << 20
+
+
+def piece_starts(n: int, per: int) -> list[int]:
+    """Starts of the `per`-element messages that cover an n-element row (n >= per): back to back,
+    the last one ending at n and overlapping its predecessor, so every message is `per` long."""
+    return list(range(0, n - per, per)) + [n - per]
+
+
+def _exchange_pieces(send: torch.Tensor, recv: torch.Tensor, peer: int, works: _Works) -> None:
+    """send -> peer and peer -> recv (both contiguous, equal length), in messages of exactly
+    PIECE_BYTES; a row shorter than that travels whole and lands in a PIECE_BYTES staging buffer.
+    gloo pairs messages per (peer, tag) in issue order, so pieces and exchanges pair up."""
+    n, per = send.numel(), max(1, PIECE_BYTES // send.element_size())
+    if n >= per:
+        for lo in piece_starts(n, per):
+            works.works.append(dist.isend(send[lo:lo + per], peer))
+            works.works.append(dist.irecv(recv[lo:lo + per], peer))
+        return
+    staging = torch.empty(per, dtype=recv.dtype, device=recv.device)
+    works.works.append(dist.isend(send, peer))
+    works.works.append(dist.irecv(staging, peer))
+    works.after.append(lambda: recv.copy_(staging[:n]))
