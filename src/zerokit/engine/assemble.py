@@ -16,13 +16,12 @@ from zerokit.comm.collectives import Comm
 from zerokit.comm.devices import model_device_of
 from zerokit.units.leaf import leaf_parameter_ids
 from zerokit.units.ds_attributes import attach_ds_views
-from zerokit.parts.held_gradient import GradientPool
 from zerokit.policy.layout import UnitLayout, plan_layout
 from zerokit.units.unit import Unit
 from zerokit.units.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
-from zerokit.parts.executors import HELD_PARTS, DeviceExecutor, HostExecutor
+from zerokit.parts.executors import DeviceExecutor, HostExecutor
 from zerokit.engine import host_budget, nvme_plan
 from zerokit.parts.nvme_executor import NvmeExecutor, StreamSettings, buffer_set_bytes
 from zerokit.optim.recipe import build_optimizer, recipe_from
@@ -54,11 +53,6 @@ def initialize(model: nn.Module, optimizer: Any = None,
     comm = Comm.from_environment(cfg.comm_timeout_s, model_device_of(model))
     configure_logging(comm.rank)
     batch = cfg.resolve_batch(comm.world_size)
-    if cfg.zero_optimization.offload_optimizer.step_in_backward and batch[2] != 1:
-        raise NotImplementedError(
-            f"zero_optimization.offload_optimizer.step_in_backward with gradient_accumulation_steps "
-            f"{batch[2]} is not implemented: the micro-steps' gradients would have to be kept whole "
-            f"until the boundary's backward; allowed: 1")
     policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
     placement = PlacementPolicy.from_config(cfg.zero_optimization)
     recipe = recipe_from(model, optimizer, model_parameters, cfg.optimizer)
@@ -76,16 +70,16 @@ def initialize(model: nn.Module, optimizer: Any = None,
         placement = _auto_ratio(placement, plan, comm.device, dtype)
     # Where every byte goes is decided here, before anything is allocated: a plan the host
     # cannot hold is refused with the numbers (engine/host_budget.py).
-    layouts = plan(placement)
-    need = host_budget.host_need(layouts, recipe.kind)
-    if placement.step_in_backward:  # gradients held until stepped (HELD_PARTS), and one landing
-        need.grads += (HELD_PARTS + 1) * 4 * max((lay.host_numel + lay.nvme_numel for lay in layouts),
-                                                 default=0)
-    on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind, need)
     avail, source = host_budget.available_host_bytes()
     freed = constructed_host_bytes(model)  # zero.Init's shards, freed as the units are laid out
     if freed:
         avail, source = avail + freed, f"{source}, with the {host_budget.size(freed)} of zero.Init shards initialize frees"
+    if placement.step_in_backward and not _speculation_fits(cfg, placement, plan(placement),
+                                                            recipe.kind, avail, comm.rank):
+        placement = dataclasses.replace(placement, step_in_backward=False)
+    layouts = plan(placement)
+    need = _host_need(placement, layouts, recipe.kind)
+    on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind, need)
     host_budget.check_host_memory(need, placement, available=(avail, source))
     # one tier (one I/O engine, one count) whose weight shards go to offload_param's path
     nvme = NvmeTier(ledger, on_nvme[0], rank=comm.rank, config=cfg.aio.engine_config(),
@@ -124,9 +118,10 @@ def initialize(model: nn.Module, optimizer: Any = None,
         # worker overlaps the stream), before torch
         executors.insert(-1, _nvme_executor(cfg, units, nvme, torch_optimizer, ledger, placement))
     if placement.step_in_backward:
-        _lend_gradients(executors, ledger)
+        _enable_speculation(executors, ledger)
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch,
                     executors)
+    engine._steps_in_backward = placement.step_in_backward  # the key as resolved above
     engine.config = config_dict(config if config is not None else config_params, cfg)
     if policy.shard_weights:
         attach_ds_views(model, units)  # see [Note: ds_* views]
@@ -170,11 +165,11 @@ def _layouts(groups: list, comm: Comm, policy: PartitionPolicy, dtype: torch.dty
     return layouts
 
 
-def _stream_settings(cfg) -> StreamSettings:
+def _stream_settings(cfg, placement: PlacementPolicy) -> StreamSettings:
     off = cfg.zero_optimization.offload_optimizer
     return StreamSettings(cfg.zero_optimization.sub_group_size, off.buffer_count,
                           off.pipeline_read, off.pipeline_write,
-                          gradients_in_files=not off.step_in_backward,
+                          gradients_in_files=not placement.step_in_backward,
                           weights_in_files=cfg.zero_optimization.offload_param.device == "nvme")
 
 
@@ -192,7 +187,7 @@ def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind
                                   + (nvme_plan.weight_need(layouts) if shards and _same_disk(
                                       zero.offload_param.nvme_path, zero.offload_optimizer.nvme_path)
                                      else 0))
-        need.buffers += buffer_set_bytes(_stream_settings(cfg), kind, largest)
+        need.buffers += buffer_set_bytes(_stream_settings(cfg, placement), kind, largest)
         paths.append(zero.offload_optimizer.nvme_path)
     if shards:
         nvme_plan.check_nvme_path(zero.offload_param.nvme_path, nvme_plan.weight_need(layouts),
@@ -216,20 +211,52 @@ def _same_disk(a: str, b: str) -> bool:
 
 def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledger: Ledger,
                    placement: PlacementPolicy) -> NvmeExecutor:
-    executor = NvmeExecutor(units, nvme, _stream_settings(cfg), ledger, placement)
+    executor = NvmeExecutor(units, nvme, _stream_settings(cfg, placement), ledger, placement)
     executor.bind(torch_optimizer)  # fails here, naming the optimizer, if it has no host kernel
     return executor
 
 
-def _lend_gradients(executors: list, ledger: Ledger) -> None:
-    """step_in_backward: one pool of HELD_PARTS + 1 buffers of the largest offloaded part for
-    every held gradient ([Note: held gradients] in parts/held_gradient.py), counted in the ledger."""
+def _host_need(placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None
+               ) -> host_budget.HostNeed:
+    """The host bytes of the plan (engine/host_budget.py), step_in_backward's included."""
+    need = host_budget.host_need(layouts, kind)
+    if placement.step_in_backward:
+        held, need.restores, _ = host_budget.speculation_need(layouts, kind)
+        need.grads += held
+    return need
+
+
+def _speculation_fits(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None,
+                      avail: int, rank: int) -> bool:
+    """step_in_backward: whether the host holds what its rollbacks need (parts/speculation.py);
+    if not, one line says so, with the bytes, and the engine steps in step() instead."""
+    need = _host_need(placement, layouts, kind)
+    _check_nvme(cfg, placement, layouts, kind, need)  # adds the stream's buffers
+    ranks = host_budget.local_ranks()
+    if need.total * ranks <= avail:
+        return True
+    if rank == 0:
+        import logging
+
+        held, restores, _ = host_budget.speculation_need(layouts, kind)
+        logging.getLogger("zerokit").warning(
+            "zerokit: offload_optimizer.step_in_backward off: the plan with it needs %s of host "
+            "memory per rank (%s of it gradients held until the step decides and %s of restores) "
+            "x %d rank(s), but %s is available; stepping in step() instead",
+            host_budget.size(need.total), host_budget.size(held), host_budget.size(restores),
+            ranks, host_budget.size(avail))
+    return False
+
+
+def _enable_speculation(executors: list, ledger: Ledger) -> None:
+    """step_in_backward: the kernel executors' restores and held gradients (parts/speculation.py),
+    the gradients counted in the ledger (the restores are allocated through their tiers)."""
     kernel = [e for e in executors if isinstance(e, HostExecutor)]
-    largest = max((p.numel for e in kernel for p in e.shards), default=0)
-    pool = GradientPool(largest, HELD_PARTS + 1)
     for executor in kernel:
-        executor.lend_gradients(pool)
-    ledger.track_external("held_gradients", TierName.HOST, "grads", lambda: pool.nbytes)
+        executor.enable_speculation()
+    held = [p.held for e in kernel for p in e.shards]
+    ledger.track_external("held_gradients", TierName.HOST, "grads",
+                          lambda: sum(h.nbytes for h in held))
 
 
 def _auto_ratio(placement: PlacementPolicy, plan, device: torch.device, dtype: torch.dtype

@@ -11,10 +11,14 @@ step). A gradient that finds no buffer free waits while an offered one is being 
 frees one); when none is (units whose gradients wait for step(), see Engine._launch_reduce), it
 gets a buffer of its own, so nothing can wait forever.
 
-Each element lands once per step (accumulation over micro-steps is refused with the key), so the
-first piece on a range is copied, not added, and nothing is zeroed but the elements no piece
-reached (`settle`); the sum of squares is taken per piece, as FileGradient (parts/nvme.py)
-does for the gradient files.
+The first piece on a range is copied, not added, and nothing is zeroed but the elements no piece
+reached (`settle`); later pieces on the same elements (accumulation over micro-steps) are added.
+The sum of squares is taken per piece, as FileGradient (parts/nvme.py) does for the gradient
+files (recounted whole after an accumulation).
+
+Under the speculative step (parts/speculation.py) a gradient is `persistent`: its buffer is the
+part's own, kept between steps (no pool), and after the speculative update it stays until the
+step decides (`keep`): a redo steps again from it.
 """
 from __future__ import annotations
 
@@ -83,6 +87,7 @@ class HeldGradient:
         self.numel = numel
         self.pool: GradientPool | None = None  # set by the executor stepping the part
         self.offered = False  # handed to a running worker, which will release it
+        self.persistent = False  # the speculative step: the buffer is kept (see the note)
         self._buf: torch.Tensor | None = None  # what the pool lent (may be longer)
         self._landed: list[tuple[int, int]] = []  # [lo, hi) written since the last release
         self._settled = True
@@ -134,10 +139,18 @@ class HeldGradient:
     def zero_unwritten(self) -> None:
         self.settle()
 
+    def keep(self) -> None:
+        """Stepped speculatively: the values stay until the step decides (see the note)."""
+        self.offered = False
+
     def release(self) -> None:
-        """Stepped: the buffer goes back (the norm stays until `clear`)."""
-        buf, self._buf, self.offered = self._buf, None, False
+        """Stepped: the buffer goes back (the norm stays until `clear`); a persistent one stays
+        the part's, its values spent."""
+        self.offered = False
         self._landed, self._settled = [], True
+        if self.persistent:
+            return
+        buf, self._buf = self._buf, None
         if buf is not None and self.pool is not None:
             self.pool.give(self, buf)
 

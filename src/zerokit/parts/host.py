@@ -30,13 +30,14 @@ class HostPart(PartSpan):
         self.held = None if self.grads else HeldGradient(self.numel)
         self.current = 0
         self.staging = buffers.get("host_staging")
-        self._tier = host
+        self.host_tier = host
         self.state: dict[str, torch.Tensor] = {}
         self.steps = 0  # host updates applied, the 1-based bias-correction count of the next one
         self.group = 0  # the optimizer param group whose hyper-parameters apply (bound later)
         self._staged: list[tuple[CopyHandle, int, int]] = []  # copies in flight
         self.grad_in_flight: torch.Tensor | None = None  # the buffer the running update reads
         self.busy = None  # the executor worker that may write master/state (executors.WorkerDone)
+        self.restore = None  # step_in_backward: what a rollback restores (parts/speculation.py)
 
     def begin_step(self, worker_done) -> None:
         """The executor's worker steps this part next: counted, the gradient it reads taken
@@ -58,7 +59,7 @@ class HostPart(PartSpan):
         if self.state:
             return
         for key in STATE_NAMES[family]:
-            self.state[key] = self._tier.allocate(f"{self.unit.name}/host_state.{key}",
+            self.state[key] = self.host_tier.allocate(f"{self.unit.name}/host_state.{key}",
                                                   "optimizer_state", self.numel, torch.float32)
             if fill:
                 self.state[key].fill_(fill)
@@ -76,7 +77,7 @@ class HostPart(PartSpan):
             return
         if any(a < hi and lo < b for _, a, b in self._staged):
             self.settle()  # an earlier micro-step's bucket still occupies this staging range
-        self._staged.append((self._tier.copy(self.staging[lo:hi], part), lo, hi))
+        self._staged.append((self.host_tier.copy(self.staging[lo:hi], part), lo, hi))
 
     def settle(self) -> None:
         """Finish the device -> host gradient copies in flight (CUDA) and accumulate them."""
@@ -114,7 +115,11 @@ class HostPart(PartSpan):
             self.busy.wait()
 
     def master_values(self) -> torch.Tensor:
+        """The master as of the last step (an update applied in backward counts from the step
+        that commits it, as an nvme part's live slot does)."""
         self.wait()
+        if self.restore is not None and self.restore.saved:
+            return self.restore.master
         return self.master
 
     def write_weights(self) -> None:
