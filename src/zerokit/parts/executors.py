@@ -175,14 +175,6 @@ class PartFeed:
             self._done += 1
             self._cv.notify_all()
 
-    def wait_while(self, too_much: Callable[[list], bool]) -> None:
-        """Block the caller while `too_much(parts not finished)` holds and the worker can still
-        finish one of them (backward waits for the stream: bounded memory)."""
-        with self._cv:
-            while (self._open and len(self._parts) - self._done > 1
-                   and too_much(self._parts[self._done:])):
-                self._cv.wait()
-
 
 class WorkerDone:
     """What a stepped part's `wait()` waits for: its worker has stepped every part of its feed.
@@ -203,10 +195,6 @@ class WorkerDone:
         if feed is not None:
             feed.close()
         self._event.wait()
-
-
-# step_in_backward: parts whose gradients may wait in host memory for the worker (see held_limit)
-HELD_PARTS = 2
 
 
 # Executors whose worker may still run when the interpreter exits (a delayed update in flight).
@@ -280,7 +268,6 @@ class HostExecutor:
         and keeps its held gradient's buffer (held until the step decides). After bind."""
         for s in self.shards:
             s.restore = HostRestore(s, s.host_tier)
-            s.held.persistent = True
 
     def settle(self, commit: bool, skipped: bool) -> None:
         """The step has decided on the update applied in backward ([Note: the speculative step]):
@@ -310,22 +297,10 @@ class HostExecutor:
                 s.swap_grads()
         self.launches += 1
 
-    def lend_gradients(self, pool) -> None:
-        """step_in_backward: the parts' held gradients take their buffers from `pool`
-        ([Note: held gradients] in parts/held_gradient.py)."""
-        for s in self.shards:
-            s.held.pool = pool
-
-    def held_limit(self) -> int:
-        """step_in_backward: backward waits for the worker while the gradients offered and not
-        yet stepped exceed HELD_PARTS of the largest part (one stepping, one waiting)."""
-        return HELD_PARTS * 4 * max((p.numel for p in self.shards), default=0)
-
     def offer(self, unit, coef: float) -> None:
         """step_in_backward: `unit`'s gradient has landed; its parts step now, on the worker,
         while backward goes on (started by the step's first offer, joined in before_step), with
-        `coef` (1 / loss scale) under the step's `SpeculativeStep`. Returns once the gradients
-        waiting for the worker fit in `held_limit`."""
+        `coef` (1 / loss scale) under the step's `SpeculativeStep`."""
         parts = [s for s in self.shards if s.unit is unit]
         if not parts:
             return
@@ -342,12 +317,9 @@ class HostExecutor:
                     f"backward before engine.step(); each backward's update is applied as it "
                     f"runs, so call engine.step() after every backward (or turn the key off)")
             s.settle()
-            s.held.offered = True  # released by the worker once stepped
             self._in_backward.add(id(s))
             self._enter(s)
             self._feed.put(s)
-        limit = self.held_limit()
-        self._feed.wait_while(lambda waiting: sum(p.numel * 4 for p in waiting) > limit)
 
     def _start(self, feed: PartFeed, coef: float, given: list | None = None) -> None:
         """A worker stepping `feed`'s parts (`given` those it holds already); RUNNING until
@@ -385,7 +357,6 @@ class HostExecutor:
         while (s := feed.get(i)) is not None:
             self._before_part(s)
             self._step_fn(s.operands(), groups[s.group], coef)
-            self._after_part(s)
             feed.finished()
             i += 1
 
@@ -393,15 +364,6 @@ class HostExecutor:
         """On the worker, before `s` is stepped: a speculative update keeps what restores it."""
         if self.speculation is not None and id(s) in self._in_backward:
             self.speculation.before(s)
-
-    def _after_part(self, s: KernelPart) -> None:
-        """On the worker, `s` stepped: its held gradient is spent, or kept for a redo."""
-        if s.held is None:
-            return
-        if self.speculation is not None and id(s) in self._in_backward:
-            self.speculation.after(s)
-        else:
-            s.held.release()
 
     def finish(self) -> None:
         """Join the host update and write its weights back, unless it is delayed to the next step."""

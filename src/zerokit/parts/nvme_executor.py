@@ -104,11 +104,10 @@ class NvmeExecutor(HostExecutor):
         self.stream_s = 0.0  # the last stream's wall time
 
     def enable_speculation(self) -> None:
-        """step_in_backward: each part's second file slot (parts/nvme.py NvmeSlots) and a held
-        gradient kept until the step decides (parts/speculation.py). After bind."""
+        """step_in_backward: each part's second file slot (parts/nvme.py NvmeSlots; see
+        parts/speculation.py). After bind."""
         for s in self.parts:
             s.slots.add_second(self.nvme, s.unit.name)
-            s.held.persistent = True
 
     @property
     def parts(self) -> list[NvmePart]:
@@ -199,7 +198,6 @@ class NvmeExecutor(HostExecutor):
             if not self.settings.pipeline_write:
                 b.wait_writes()
             if lo + n == s.numel:  # the part's last sub-group
-                self._after_part(s)
                 feed.finished()
             i += 1
         for b in sets:

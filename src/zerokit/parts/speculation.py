@@ -22,7 +22,7 @@ What a restore needs, per part kind:
                 file slot (parts/nvme.py `NvmeSlots`); a commit switches the live slot, a
                 rollback leaves it (checkpoints and resume read the live slot)
     both        the gradient stays held in host memory until the step decides
-                (parts/held_gradient.py, `persistent`), so a redo steps from the same values.
+                (parts/held_gradient.py), so a redo steps from the same values.
 Whether the host can hold the restores is decided at initialize (engine/assemble.py,
 `restore_bytes`): when it cannot, the engine says so and steps in step() instead.
 """
@@ -133,10 +133,6 @@ class SpeculativeStep:
             part.slots.write_other()
         with self._lock:
             self.parts.append(part)
-
-    def after(self, part) -> None:
-        """On the worker: `part` is stepped; its gradient stays held for a redo."""
-        part.held.keep()
 
     def commit(self) -> None:
         for p in self.parts:
