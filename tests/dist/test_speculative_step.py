@@ -9,7 +9,8 @@ every case, after every step, the compute weights, every part's fp32 master and 
 and its step count are bit-equal to the same run stepping in step() (step_in_backward false), the
 counters say what was committed, redone and skipped, and both runs match a plain-torch reference
 whose update is linear in the gradient (Adam with betas 0 and eps far above |g|, so clipping and
-unscaling errors show) within 16-bit noise. Several cases run in one world (one launch).
+unscaling errors show) within 16-bit noise. Several cases run in one world (one launch). The fast
+subset adds fp16 with a static loss scale (its overflow skips the step too).
 """
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def _config(case, path, step_in_backward):
     zero["offload_optimizer"] = off
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
             "gradient_clipping": clip, "zero_optimization": zero,
-            "fp16": {"enabled": precision == "fp16", "initial_scale_power": 8},
+            # fp16s: a static loss scale, which skips an overflowing step as the dynamic one does
+            "fp16": {"enabled": precision.startswith("fp16"), "initial_scale_power": 8,
+                     "loss_scale": 128.0 if precision == "fp16s" else 0.0},
             "bf16": {"enabled": precision == "bf16"},
             "aio": {"block_size": 65536, "queue_depth": 4, "thread_count": 2},
             # an SGD-like, scale-sensitive update (see the module docstring)
@@ -138,7 +141,7 @@ def _reference(precision, clip, gas, world):
     if key not in _REFERENCE:
         batches = global_batches(STEPS, MICRO * world * gas)
         del batches[BAD_STEP]
-        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        dtype = torch.float16 if precision.startswith("fp16") else torch.bfloat16
         _REFERENCE[key] = reference_train(
             tiny_gpt, lambda ps: torch.optim.Adam(ps, lr=LR, betas=(0.0, 0.0), eps=1e3), batches,
             dtype=dtype, clip=clip, chunks=world * gas)[1]
@@ -181,7 +184,8 @@ def _cases(stage):
 
 # The fast tier: every placement, clipping and precision once, with and without accumulation.
 FAST = [(2, "cpu", ALWAYS, "fp16", 3), (2, "nvme", NEVER, "bf16", 1), (2, "twin", 0.0, "fp16", 1),
-        (2, "nvme", ALWAYS, "fp16", 3), (3, "twin", ALWAYS, "bf16", 3), (1, "cpu", 0.0, "bf16", 1)]
+        (2, "nvme", ALWAYS, "fp16", 3), (3, "twin", ALWAYS, "bf16", 3), (1, "cpu", 0.0, "bf16", 1),
+        (3, "nvme", NEVER, "fp16s", 1), (1, "twin", ALWAYS, "fp16s", 3)]
 
 
 def test_speculative_step_fast_subset(tmp_path):

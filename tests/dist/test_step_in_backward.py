@@ -176,7 +176,8 @@ def _nonfinite(rank, world, cfg):
             engine.step()
         except Exception as e:  # noqa: BLE001 - the message is the test
             errors.append(type(e).__name__)
-    out = (errors, engine.skipped_steps, engine.consolidated_fp32_state_dict(), dict(vars(engine.speculation)))
+    out = (errors, engine.skipped_steps, engine.consolidated_fp32_state_dict(), dict(vars(engine.speculation)),
+           engine.memory_report())
     engine.destroy()
     return out
 
@@ -188,11 +189,34 @@ def test_nonfinite_gradient_as_stepping_in_step(tmp_path, device, action):
     NonFiniteError and trains on, as with step_in_backward false, to the same weights."""
     runs = [run_world(_nonfinite, 1, _config(2, "bf16", device, str(tmp_path), step_in_backward=sib,
                                              extra={"nonfinite": action}))[0] for sib in (True, False)]
-    (errors, skipped, weights, counts), (base_errors, base_skipped, base_weights, _) = runs
+    (errors, skipped, weights, counts, report), (base_errors, base_skipped, base_weights, _, _) = runs
     assert errors == base_errors == ([] if action == "skip" else ["NonFiniteError"]), (errors, base_errors)
     assert skipped == base_skipped == (1 if action == "skip" else 0)
     assert (counts["committed"], counts["skipped"]) == (2, 1), counts
+    assert "speculative steps: committed 2, redone 0" in report and "skipped 1" in report, report
     _exact(weights, base_weights)
+
+
+def test_off_where_the_host_cannot_hold_the_restores(monkeypatch, caplog):
+    """initialize says so in one line, naming the bytes, and steps in step() instead (no OOM)."""
+    import logging
+
+    import zerokit
+    from zerokit.engine import host_budget
+
+    monkeypatch.setattr(host_budget, "speculation_need", lambda layouts, kind: (0, 1 << 50, 0))
+    with caplog.at_level(logging.WARNING, logger="zerokit"):
+        engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=_config(2, "bf16", "cpu", None))
+    try:
+        assert not engine._steps_in_backward and not engine.placement.step_in_backward
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "step_in_backward off" in text and "1048576.00 GiB of restores" in text, text
+        (x, y), = global_batches(1, MICRO)
+        engine.backward(engine(x, y))
+        assert not engine.stepped_in_backward
+        engine.step()
+    finally:
+        engine.destroy()
 
 
 def _two_backwards(rank, world, cfg):
