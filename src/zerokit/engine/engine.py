@@ -280,6 +280,8 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         """step_in_backward: each unit's offloaded parts step now, while backward goes on, with
         the coefficient known now (1 / loss scale); the step decides whether that update stands
         (see [Note: the speculative step] in parts/speculation.py, and _settle_speculation)."""
+        if units:  # an asynchronous save may still read the state these updates change
+            self.save_lease.settle()
         for unit in units:
             for executor in self.kernel_executors:
                 executor.offer(unit, 1.0 / self.loss_scaler.scale)
