@@ -38,6 +38,9 @@ class ExecutorState(Enum):
     IDLE = "idle"                   # nothing in flight; the weights hold its last update
     RUNNING = "running"             # an update runs (the delayed one into the next step)
     WRITE_BACK_PENDING = "write-back pending"  # the update is done; its weights are not written
+    # a speculative update (step_in_backward) is done; the step decides: commit or roll back
+    # (see [Note: the speculative step] in parts/speculation.py)
+    SPECULATED = "speculated"
 
 
 class TrainingState(Enum):
@@ -79,8 +82,13 @@ LEGAL: dict[Enum, frozenset] = {
     # release, or a re-publish of new weights into a unit that stays gathered
     WeightState.GATHERED: frozenset({WeightState.SHARDED, WeightState.GATHERING}),
     ExecutorState.IDLE: frozenset({ExecutorState.RUNNING, ExecutorState.WRITE_BACK_PENDING}),
-    ExecutorState.RUNNING: frozenset({ExecutorState.IDLE, ExecutorState.WRITE_BACK_PENDING}),
+    ExecutorState.RUNNING: frozenset({ExecutorState.IDLE, ExecutorState.WRITE_BACK_PENDING,
+                                      ExecutorState.SPECULATED}),
     ExecutorState.WRITE_BACK_PENDING: frozenset({ExecutorState.IDLE}),
+    # a state reader ended the worker and backward offers more (RUNNING), committed (its
+    # weights to write back), rolled back (IDLE)
+    ExecutorState.SPECULATED: frozenset({ExecutorState.RUNNING, ExecutorState.WRITE_BACK_PENDING,
+                                         ExecutorState.IDLE}),
     TrainingState.IDLE: frozenset({TrainingState.FORWARD, TrainingState.BACKWARD, TrainingState.STEP}),
     TrainingState.FORWARD: frozenset({TrainingState.IDLE}),
     TrainingState.BACKWARD: frozenset({TrainingState.IDLE, TrainingState.RECOMPUTE}),

@@ -67,13 +67,16 @@ def test_a_plan_the_host_cannot_hold_is_refused_with_the_numbers(monkeypatch) ->
     from zerokit.engine.host_budget import HostMemoryError, size
 
     needs = _recording(monkeypatch)
-    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(0), config=_config(2, "fp32", {}))
+    # the plan stepping in step() (stepping in backward turns itself off where it does not fit:
+    # tests/dist/test_step_in_backward.py)
+    plain = {"step_in_backward": False}
+    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(0), config=_config(2, "fp32", plain))
     need = needs[0].total
     engine.destroy()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(host_budget, "available_host_bytes", lambda: (3 * need, "cgroup memory.max"))
     with pytest.raises(HostMemoryError) as e:
-        zerokit.initialize(model=tiny_gpt(0), config=_config(2, "fp32", {}))
+        zerokit.initialize(model=tiny_gpt(0), config=_config(2, "fp32", plain))
     message = str(e.value)
     for part in (f"{size(need)} of host memory per rank", "x 4 rank(s) on this machine",
                  f"{size(3 * need)} is available (cgroup memory.max)",
@@ -81,5 +84,5 @@ def test_a_plan_the_host_cannot_hold_is_refused_with_the_numbers(monkeypatch) ->
         assert part in message, message
     # Half the shard on the host fits in the same memory.
     engine, _, _, _ = zerokit.initialize(model=tiny_gpt(0),
-                                         config=_config(2, "fp32", {"ratio": 0.5}))
+                                         config=_config(2, "fp32", {"ratio": 0.5, **plain}))
     engine.destroy()

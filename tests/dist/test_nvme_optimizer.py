@@ -27,7 +27,9 @@ def _config(stage, dtype, opt, device, path, *, sub_group=1000, extra=None, clip
     zero = {"stage": stage, "reduce_bucket_size": 2000, "sub_group_size": sub_group}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0)
-    off = {"device": device}
+    # The stream in step() (gradients in files); stepping in backward, the default for offloaded
+    # optimizers, has its own tests (test_step_in_backward.py, test_speculative_step.py).
+    off = {"device": device, "step_in_backward": False}
     if device == "nvme":
         off.update(nvme_path=path, buffer_count=3, pipeline_read=True, pipeline_write=True)
     off.update(extra or {})

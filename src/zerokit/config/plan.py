@@ -104,7 +104,21 @@ def _offload_lines(engine: "Engine") -> list[str]:
         f"    {host:,} of {total:,} optimizer elements on the host on rank {engine.comm.rank}: "
         f"{mib(moved)} allocated there (master + optimizer state + gradients of the offloaded "
         f"part)"]
-    return lines + _nvme_lines(engine, total)
+    return lines + _nvme_lines(engine, total) + _speculation_lines(engine, placement)
+
+
+def _speculation_lines(engine: "Engine", placement) -> list[str]:
+    """offload_optimizer.step_in_backward: on or off, and what its rollbacks cost (see [Note:
+    the speculative step] in parts/speculation.py)."""
+    if not placement.step_in_backward:
+        return ["    speculative step in backward: off (offload_optimizer.step_in_backward)"]
+    held = 4 * sum(u.host_numel + u.layout.nvme_numel for u in engine.units if u.trainable)
+    return [f"    speculative step in backward: on; restores "
+            f"{mib(engine.ledger.bytes(tier=TierName.HOST, kind='restores'))} host (a copy of the "
+            f"host parts' master + state + 16-bit output), "
+            f"{mib(engine.ledger.bytes(tier=TierName.NVME, kind='restores'))} nvme (a second file "
+            f"slot of master + state); gradients held in host memory until the step decides "
+            f"{mib(held)}"]
 
 
 def _nvme_lines(engine: "Engine", total: int) -> list[str]:

@@ -212,16 +212,20 @@ class OffloadOptimizerConfig(_Section):
         0, ge=0, description="zerokit (offload_param.max_in_cpu's precedent), device 'nvme': "
                              "optimizer elements per rank whose master, state and gradient stay "
                              "in host memory (stepped by the host kernel); the rest live on NVMe.")
-    step_in_backward: bool = Field(
-        False, description="zerokit, device 'cpu' or 'nvme': step each unit's offloaded part as "
-                           "soon as backward has reduced its gradient, on the host worker while "
-                           "backward goes on, instead of in step(): the NVMe stream overlaps "
-                           "backward and its gradients never go to disk (12 bytes per element "
-                           "each way, not 16). The same update, bit for bit; it needs "
-                           "gradient_clipping 0, no fp16 loss scaling, gradient_accumulation_steps "
-                           "1 and no delayed_update (each needs every gradient before any update). "
-                           "A non-finite gradient cannot be skipped then: step() raises and the "
-                           "engine stops (load the last checkpoint).")
+    step_in_backward: bool | Literal["auto"] = Field(
+        "auto", description="zerokit, device 'cpu' or 'nvme': step each unit's offloaded part as "
+                            "soon as backward has reduced its gradient (in the boundary "
+                            "micro-step's backward), on the host worker while backward goes on, "
+                            "instead of in step(): the NVMe stream overlaps backward and its "
+                            "gradients never go to disk. Speculative: it steps with 1 / loss "
+                            "scale, and when the step finds that clipping applies, or an fp16 "
+                            "overflow or non-finite gradient, the parts are restored (host: a "
+                            "copy of master and state; NVMe: a second file slot) and stepped "
+                            "again or left for the skipped step, so the result is bit-equal to "
+                            "stepping in step(). 'auto' (the default): on for offloaded "
+                            "optimizers without delayed_update, off where the host memory "
+                            "cannot hold the restores and the held gradients (initialize logs "
+                            "it); true: on (refused with delayed_update); false: off.")
 
     @model_validator(mode="after")
     def _valid(self) -> "OffloadOptimizerConfig":
@@ -535,17 +539,14 @@ class ZeroKitConfig(_Section):
                              "DeepSpeed): use 'mean', or stage 0-2")
         self._check_bf16_state()
         off = self.zero_optimization.offload_optimizer
-        if off.step_in_backward:
-            # Each of these needs every gradient of the step before any part may be updated.
+        if off.step_in_backward is True:  # "auto" turns itself off where these hold
             key = "zero_optimization.offload_optimizer.step_in_backward"
             for bad, why in ((off.device == "none", "offload_optimizer.device 'cpu' or 'nvme' (got 'none')"),
-                             (off.delayed_update.enabled, "offload_optimizer.delayed_update off"),
-                             (self.gradient_clipping > 0, f"gradient_clipping 0 (got {self.gradient_clipping}): "
-                                                          f"clipping needs the global norm first"),
-                             (self.fp16.enabled, "no fp16 (its loss scale skips steps that overflow); "
-                                                 "use bf16")):
+                             (off.delayed_update.enabled,
+                              "offload_optimizer.delayed_update off (the delayed update steps "
+                              "after backward by design; set one of the two)")):
                 if bad:
-                    raise ValueError(f"{key} needs {why}")
+                    raise ValueError(f"{key} true needs {why}")
         return self
 
     def _check_bf16_state(self) -> None:

@@ -16,13 +16,12 @@ from zerokit.comm.collectives import Comm
 from zerokit.comm.devices import model_device_of
 from zerokit.units.leaf import leaf_parameter_ids
 from zerokit.units.ds_attributes import attach_ds_views
-from zerokit.parts.held_gradient import GradientPool
 from zerokit.policy.layout import UnitLayout, plan_layout
 from zerokit.units.unit import Unit
 from zerokit.units.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
-from zerokit.parts.executors import HELD_PARTS, DeviceExecutor, HostExecutor
+from zerokit.parts.executors import DeviceExecutor, HostExecutor
 from zerokit.engine import bf16_state, host_budget, nvme_plan
 from zerokit.parts.nvme_executor import NvmeExecutor, StreamSettings, buffer_set_bytes
 from zerokit.optim.recipe import build_optimizer, recipe_from
@@ -54,11 +53,6 @@ def initialize(model: nn.Module, optimizer: Any = None,
     comm = Comm.from_environment(cfg.comm_timeout_s, model_device_of(model))
     configure_logging(comm.rank)
     batch = cfg.resolve_batch(comm.world_size)
-    if cfg.zero_optimization.offload_optimizer.step_in_backward and batch[2] != 1:
-        raise NotImplementedError(
-            f"zero_optimization.offload_optimizer.step_in_backward with gradient_accumulation_steps "
-            f"{batch[2]} is not implemented: the micro-steps' gradients would have to be kept whole "
-            f"until the boundary's backward; allowed: 1")
     policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
     placement = PlacementPolicy.from_config(cfg.zero_optimization)
     recipe = recipe_from(model, optimizer, model_parameters, cfg.optimizer)
@@ -81,9 +75,6 @@ def initialize(model: nn.Module, optimizer: Any = None,
     # Where every byte goes is decided here, before anything is allocated: a plan the host
     # cannot hold is refused with the numbers (engine/host_budget.py).
     placement = bf16_state.with_state_dtypes(cfg, placement, optimizer)
-    layouts = plan(placement)
-    need = planned_host_need(cfg, placement, layouts, recipe.kind)
-    on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind)
     avail, source = host_budget.available_host_bytes()
     freed = constructed_host_bytes(model)  # zero.Init's shards, freed as the units are laid out
     if freed:
@@ -92,6 +83,12 @@ def initialize(model: nn.Module, optimizer: Any = None,
         # a host budget below what the machine has: the plan is refused against the budget, per rank
         avail = budgets[TierName.HOST][0] * host_budget.local_ranks()
         source = f"{budgets[TierName.HOST][1]}, {host_budget.size(budgets[TierName.HOST][0])} per rank"
+    if placement.step_in_backward and not _speculation_fits(cfg, placement, plan(placement),
+                                                            recipe.kind, avail, comm.rank):
+        placement = dataclasses.replace(placement, step_in_backward=False)
+    layouts = plan(placement)
+    need = planned_host_need(cfg, placement, layouts, recipe.kind)
+    on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind)
     host_budget.check_host_memory(need, placement, available=(avail, source))
     # one tier (one I/O engine, one count) whose weight shards go to offload_param's path
     nvme = NvmeTier(ledger, on_nvme[0], rank=comm.rank, config=cfg.aio.engine_config(),
@@ -131,9 +128,10 @@ def initialize(model: nn.Module, optimizer: Any = None,
         # worker overlaps the stream), before torch
         executors.insert(-1, _nvme_executor(cfg, units, nvme, torch_optimizer, ledger, placement))
     if placement.step_in_backward:
-        _lend_gradients(executors, ledger)
+        _enable_speculation(executors, ledger)
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch,
                     executors)
+    engine._steps_in_backward = placement.step_in_backward  # the key as resolved above
     engine.config = config_dict(config if config is not None else config_params, cfg)
     if policy.shard_weights:
         attach_ds_views(model, units)  # see [Note: ds_* views]
@@ -181,11 +179,11 @@ def plan_layouts(groups: list, world: int, rank: int, cuda: bool, policy: Partit
     return layouts
 
 
-def _stream_settings(cfg) -> StreamSettings:
+def _stream_settings(cfg, placement: PlacementPolicy) -> StreamSettings:
     off = cfg.zero_optimization.offload_optimizer
     return StreamSettings(cfg.zero_optimization.sub_group_size, off.buffer_count,
                           off.pipeline_read, off.pipeline_write,
-                          gradients_in_files=not off.step_in_backward,
+                          gradients_in_files=not placement.step_in_backward,
                           weights_in_files=cfg.zero_optimization.offload_param.device == "nvme")
 
 
@@ -196,12 +194,12 @@ def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
     buffer sets and the weight shards read ahead from NVMe. Pure: the start-up check and the
     estimator (zerokit.memory) read the same figure."""
     need = host_budget.host_need(layouts, kind, placement.state_dtype)
-    if placement.step_in_backward:  # gradients held until stepped (HELD_PARTS), and one landing
-        need.grads += (HELD_PARTS + 1) * 4 * max((lay.host_numel + lay.nvme_numel for lay in layouts),
-                                                 default=0)
+    if placement.step_in_backward:  # gradients held until the step decides, and the restores
+        held, need.restores, _ = host_budget.speculation_need(layouts, kind)
+        need.grads += held
     largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
     if largest:
-        need.buffers += buffer_set_bytes(_stream_settings(cfg), kind, largest)
+        need.buffers += buffer_set_bytes(_stream_settings(cfg, placement), kind, largest)
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
     if shards:  # the shards read ahead (buffer_count) and the one a gather reads now: at most
         # the largest buffer_count + 1 of them (a larger shard than buffer_size is not read ahead)
@@ -221,8 +219,9 @@ def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
     paths = []
     if largest:
+        second_slot = host_budget.speculation_need(layouts, kind)[2] if placement.step_in_backward else 0
         nvme_plan.check_nvme_path(zero.offload_optimizer.nvme_path, nvme_plan.nvme_need(layouts, kind)
-                                  + (nvme_plan.weight_need(layouts) if shards and _same_disk(
+                                  + second_slot + (nvme_plan.weight_need(layouts) if shards and _same_disk(
                                       zero.offload_param.nvme_path, zero.offload_optimizer.nvme_path)
                                      else 0))
         paths.append(zero.offload_optimizer.nvme_path)
@@ -244,20 +243,41 @@ def _same_disk(a: str, b: str) -> bool:
 
 def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledger: Ledger,
                    placement: PlacementPolicy) -> NvmeExecutor:
-    executor = NvmeExecutor(units, nvme, _stream_settings(cfg), ledger, placement)
+    executor = NvmeExecutor(units, nvme, _stream_settings(cfg, placement), ledger, placement)
     executor.bind(torch_optimizer)  # fails here, naming the optimizer, if it has no host kernel
     return executor
 
 
-def _lend_gradients(executors: list, ledger: Ledger) -> None:
-    """step_in_backward: one pool of HELD_PARTS + 1 buffers of the largest offloaded part for
-    every held gradient ([Note: held gradients] in parts/held_gradient.py), counted in the ledger."""
+def _speculation_fits(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None,
+                      avail: int, rank: int) -> bool:
+    """step_in_backward: whether the host holds what its rollbacks need (parts/speculation.py);
+    if not, one line says so, with the bytes, and the engine steps in step() instead."""
+    need = planned_host_need(cfg, placement, layouts, kind)
+    ranks = host_budget.local_ranks()
+    if need.total * ranks <= avail:
+        return True
+    if rank == 0:
+        import logging
+
+        held, restores, _ = host_budget.speculation_need(layouts, kind)
+        logging.getLogger("zerokit").warning(
+            "zerokit: offload_optimizer.step_in_backward off: the plan with it needs %s of host "
+            "memory per rank (%s of it gradients held until the step decides and %s of restores) "
+            "x %d rank(s), but %s is available; stepping in step() instead",
+            host_budget.size(need.total), host_budget.size(held), host_budget.size(restores),
+            ranks, host_budget.size(avail))
+    return False
+
+
+def _enable_speculation(executors: list, ledger: Ledger) -> None:
+    """step_in_backward: the kernel executors' restores and held gradients (parts/speculation.py),
+    the gradients counted in the ledger (the restores are allocated through their tiers)."""
     kernel = [e for e in executors if isinstance(e, HostExecutor)]
-    largest = max((p.numel for e in kernel for p in e.shards), default=0)
-    pool = GradientPool(largest, HELD_PARTS + 1)
     for executor in kernel:
-        executor.lend_gradients(pool)
-    ledger.track_external("held_gradients", TierName.HOST, "grads", lambda: pool.nbytes)
+        executor.enable_speculation()
+    held = [p.held for e in kernel for p in e.shards]
+    ledger.track_external("held_gradients", TierName.HOST, "grads",
+                          lambda: sum(h.nbytes for h in held))
 
 
 def _auto_ratio(placement: PlacementPolicy, plan, device: torch.device, dtype: torch.dtype

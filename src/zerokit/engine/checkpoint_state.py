@@ -71,6 +71,10 @@ def state_to_save(engine: "Engine") -> SaveState:
     for u in engine.units:  # a host update in flight (the delayed update's) finishes first
         for part in u.parts:
             part.wait()
+    if any(e.speculation is not None for e in engine.kernel_executors):
+        raise RuntimeError("save_checkpoint between backward and step() with "
+                           "zero_optimization.offload_optimizer.step_in_backward: the update "
+                           "applied in backward is not decided yet; call engine.step() first")
     host = engine.offload or next(iter(engine.kernel_executors), None)
     # [Note: delayed update in checkpoints]
     in_use = any(e.pending_write_back for e in engine.kernel_executors)

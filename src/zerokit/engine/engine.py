@@ -24,6 +24,7 @@ from zerokit.engine.checkpoint_state import CheckpointMethods
 from zerokit.engine.attachment import Attachment, weakly
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
 from zerokit.parts.executors import HostExecutor
+from zerokit.parts.speculation import SpeculationCounts, settle
 from zerokit.states import EngineFailedError, TrainingState, move
 from zerokit.engine.health import LossWatch, describe_position, handle_nonfinite, reduce_step_scalars
 from zerokit.engine.precision import LossScaleAtMinimumError, LossScaler, cast_inputs_half
@@ -96,10 +97,15 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         self.training_state = TrainingState.IDLE
         self._recomputing: nn.Module | None = None  # the outermost module recomputing in backward
         self._reduce_now = False
-        # reductions in flight: (handle, bytes, the unit to offer the host executors once it
-        # lands: with offload_optimizer.step_in_backward, a unit whose backward is done)
+        # reductions in flight: (handle, bytes, the unit whose offloaded parts step once it
+        # lands: with offload_optimizer.step_in_backward, a unit whose last backward is done)
         self._pending: deque[tuple[Handle, int, Unit | None]] = deque()
-        self._steps_in_backward = config.zero_optimization.offload_optimizer.step_in_backward
+        # offload_optimizer.step_in_backward as resolved at initialize (engine/assemble.py:
+        # "auto", and off where the host cannot hold the restores); see [Note: the speculative
+        # step] in parts/speculation.py
+        self._steps_in_backward = False
+        self._step_units_now = False  # this backward is the boundary's: landed units step
+        self.speculation = SpeculationCounts()  # committed / redone / skipped, the redo's time
         self._pending_bytes = 0
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
         # Gradients of at most two buckets in flight: enough to overlap, bounded in memory.
@@ -216,7 +222,9 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
                              f"{type(loss).__name__}{tuple(loss.shape) if torch.is_tensor(loss) else ''})")
         # Stage >= 2 reduces every micro-step (gradients never persist in full); below that,
         # gradients accumulate locally and are reduced once, on the boundary's backward.
-        self._reduce_now = self.policy.shard_gradients or self.is_gradient_accumulation_boundary()
+        boundary = self.is_gradient_accumulation_boundary()
+        self._reduce_now = self.policy.shard_gradients or boundary
+        self._step_units_now = self._steps_in_backward and boundary
         self._losses.note(loss)
         t0 = time.perf_counter()
         self.wait_for_weights()  # units whose modules forward did not call
@@ -229,7 +237,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
                 for unit in self.units:  # units some of whose parameters got no gradient this step
                     if unit.trainable and not unit.launched:
                         self._launch_reduce(unit)
-                self._drain(0)
+                self._step_landed(self._drain(0))
         finally:
             self._move(TrainingState.IDLE)
             self._recomputing = None
@@ -252,22 +260,35 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         agreement] in comm/agreement.py), at the latest when the step settles the checks.
         done: every parameter of the unit got its gradient in this backward (the hook's launch;
         not the end-of-backward one for units some parameter of which got none)."""
-        self._track(unit.launch_reduce(), unit, offer=done and self._steps_in_backward)
+        self._track(unit.launch_reduce(), unit, step=done and self._step_units_now)
 
-    def _track(self, handle: Handle, unit: Unit, offer: bool = False) -> None:
+    def _track(self, handle: Handle, unit: Unit, step: bool = False) -> None:
         nbytes = unit.padded_numel * 4
-        self._pending.append((handle, nbytes, unit if offer else None))
+        self._pending.append((handle, nbytes, unit if step else None))
         self._pending_bytes += nbytes
-        self._drain(self._max_pending_bytes)
+        self._step_landed(self._drain(self._max_pending_bytes))
 
-    def _drain(self, limit: int) -> None:
+    def _drain(self, limit: int) -> list[Unit]:
+        """Wait for reductions until at most `limit` bytes are in flight; the units among them
+        whose offloaded parts step now (step_in_backward)."""
+        landed = []
         while self._pending and self._pending_bytes > limit:
-            handle, nbytes, landed = self._pending.popleft()
+            handle, nbytes, unit = self._pending.popleft()
             handle.wait()
             self._pending_bytes -= nbytes
-            if landed is not None:  # step_in_backward: its parts step while backward goes on
-                for executor in self.kernel_executors:
-                    executor.offer(landed)
+            if unit is not None:
+                landed.append(unit)
+        return landed
+
+    def _step_landed(self, units: list[Unit]) -> None:
+        """step_in_backward: each unit's offloaded parts step now, while backward goes on, with
+        the coefficient known now (1 / loss scale); the step decides whether that update stands
+        (see [Note: the speculative step] in parts/speculation.py, and _settle_speculation)."""
+        if units:  # an asynchronous save may still read the state these updates change
+            self.save_lease.settle()
+        for unit in units:
+            for executor in self.kernel_executors:
+                executor.offer(unit, 1.0 / self.loss_scaler.scale)
 
     # ---- step ---------------------------------------------------------------------------------
     def step(self) -> None:
@@ -337,12 +358,16 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         for executor in self.executors:  # host gradients landed; a delayed update joined
             executor.before_step()
         coef, overflow = self._gradient_coef(trainable)
+        redo = self._settle_speculation(coef, overflow)
         if overflow:  # static or dynamic loss scale alike, as DeepSpeed
             self.skipped_steps += 1
             for executor in self.executors:
                 executor.after_skip()
             return True
+        t0 = time.perf_counter()
         self._run_optimizer(trainable, coef)
+        if redo:
+            self.speculation.redo_s += time.perf_counter() - t0
         self._publish(trainable)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -364,6 +389,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         self._last_grad_norm = norm / scale  # get_global_grad_norm() after the step reads it
         if not math.isfinite(norm) or scalars.nonfinite_losses:
             if not self.loss_scaler.checks_overflow:  # fp16 overflows are the loss scale's
+                self._settle_speculation(coef, overflow=True)  # "stop" raises next: as before it
                 handle_nonfinite(self, trainable, scalars)  # reports; raises for "stop"
             return coef, True
         if clip > 0:
@@ -371,6 +397,11 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
             if clip_coef < 1.0:
                 coef *= clip_coef
         return coef, False
+
+    def _settle_speculation(self, coef: float, overflow: bool) -> bool:
+        """Commit or roll back the update applied in backward; True: it is to be redone
+        (parts/speculation.py `settle`)."""
+        return settle(self.kernel_executors, coef, overflow, self.speculation)
 
     def _run_optimizer(self, trainable: list[Unit], coef: float) -> None:
         """Every executor steps its parts of the units some rank used, the host parts in a worker
@@ -444,6 +475,10 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         if self.comm.rank == 0:
             line = (f"step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} "
                     f"loss_scale={self.loss_scaler.scale:g}{' (overflow)' if overflow else ''}")
+            if self._steps_in_backward:
+                c = self.speculation
+                line += (f" speculative: committed={c.committed} redone={c.redone} "
+                         f"skipped={c.skipped} redo_s={c.redo_s:.3f}")
             if self.config.wall_clock_breakdown:
                 n = self.config.steps_per_print
                 line += " | ms/step: " + ", ".join(f"{k} {v / n * 1e3:.1f}" for k, v in self._timers.items())
@@ -540,6 +575,8 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
             if "idle_s" in io:  # where the disk waited on compute (see nvme_io)
                 text += (f"; disk idle {io['idle_s']:.3f} s of the step's {io['window_s']:.3f} s "
                          f"(no read {io['read_idle_s']:.3f} s, no write {io['write_idle_s']:.3f} s)")
+        if self._steps_in_backward:  # offload_optimizer.step_in_backward's speculative steps
+            text += "\n" + self.speculation.line()
         return text
 
     def memory_timeline(self):

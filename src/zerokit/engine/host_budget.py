@@ -36,15 +36,16 @@ class HostNeed:
     grads: int = 0
     state: int = 0
     buffers: int = 0  # 16-bit outputs and device staging
+    restores: int = 0  # step_in_backward: what a rollback restores (parts/speculation.py)
 
     @property
     def total(self) -> int:
-        return self.weights + self.master + self.grads + self.state + self.buffers
+        return self.weights + self.master + self.grads + self.state + self.buffers + self.restores
 
 
 # Ledger kinds -> HostNeed fields.
 _FIELD = {"weights": "weights", "master": "master", "grads": "grads", "buffers": "buffers",
-          "optimizer_state": "state"}
+          "optimizer_state": "state", "restores": "restores"}
 
 
 def host_need(layouts: list, optimizer_kind: str | None,
@@ -64,6 +65,18 @@ def host_need(layouts: list, optimizer_kind: str | None,
             setattr(need, field, getattr(need, field) + nbytes)
         need.state += per_element * layout.host_numel
     return need
+
+
+def speculation_need(layouts: list, optimizer_kind: str | None) -> tuple[int, int, int]:
+    """step_in_backward's bytes on this rank ([Note: the speculative step] in
+    parts/speculation.py): (gradients held in host memory until the step decides, every
+    offloaded element's; the host parts' restores: master, state and 16-bit output; the nvme
+    parts' second file slot: master and state)."""
+    state = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
+    held = sum(4 * (lay.host_numel + lay.nvme_numel) for lay in layouts)
+    out16 = sum(lay.record("host_out16").nbytes for lay in layouts if lay.has("host_out16"))
+    host = sum((4 + state) * lay.host_numel for lay in layouts) + out16
+    return held, host, sum((4 + state) * lay.nvme_numel for lay in layouts)
 
 
 def available_host_bytes() -> tuple[int, str]:
@@ -99,7 +112,7 @@ def check_host_memory(need: HostNeed, placement: PlacementPolicy, ranks: int | N
     if need.total * ranks <= avail:
         return
     parts = ", ".join(f"{name} {size(getattr(need, name))}"
-                      for name in ("weights", "master", "grads", "state", "buffers")
+                      for name in ("weights", "master", "grads", "state", "buffers", "restores")
                       if getattr(need, name))
     hints = []
     if placement.nvme:

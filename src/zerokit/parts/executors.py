@@ -12,9 +12,11 @@ Per step, `Engine.step` calls on every executor, host executors first so that th
     after_skip()      an overflowing step launched nothing: still publish what before_step wrote
 With offload_optimizer.step_in_backward the kernel executors start earlier: backward `offer`s
 each unit once its gradient is reduced, and the worker steps its parts while backward goes on
-(a `PartFeed` open until before_step, or until something reads a part's state); launch then
-steps only the parts not offered (units this rank's backward did not reach but another rank's
-did).
+(a `PartFeed` open until before_step, or until something reads a part's state) under a
+`SpeculativeStep` (parts/speculation.py): before_step joins that worker (SPECULATED), the engine
+`settle`s it (commit: the weights are written back; rollback: the parts are as before, and
+launch steps them again, or nothing runs for a skipped step); launch then steps the parts not
+stepped (units this rank's backward did not reach but another rank's did, and redone ones).
 `DeviceExecutor`: torch's optimizer over the device parts. `HostExecutor`: the native kernel over
 the host parts, in a worker thread. The streaming NVMe executor (read i+1, step i, write i-1;
 parts/nvme_executor.py) is a HostExecutor whose `_run` streams the nvme parts from their files,
@@ -31,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from zerokit.parts.kernel_part import KernelOperands, KernelPart
+from zerokit.parts.speculation import HostRestore, SpeculativeStep
 from zerokit.states import ExecutorState, move
 from zerokit.optim.recipe import state_bytes
 from zerokit.optim import HostAdagrad, HostAdam, HostLion, Lion
@@ -174,14 +177,6 @@ class PartFeed:
             self._done += 1
             self._cv.notify_all()
 
-    def wait_while(self, too_much: Callable[[list], bool]) -> None:
-        """Block the caller while `too_much(parts not finished)` holds and the worker can still
-        finish one of them (backward waits for the stream: bounded memory)."""
-        with self._cv:
-            while (self._open and len(self._parts) - self._done > 1
-                   and too_much(self._parts[self._done:])):
-                self._cv.wait()
-
 
 class WorkerDone:
     """What a stepped part's `wait()` waits for: its worker has stepped every part of its feed.
@@ -202,10 +197,6 @@ class WorkerDone:
         if feed is not None:
             feed.close()
         self._event.wait()
-
-
-# step_in_backward: parts whose gradients may wait in host memory for the worker (see held_limit)
-HELD_PARTS = 2
 
 
 # Executors whose worker may still run when the interpreter exits (a delayed update in flight).
@@ -248,6 +239,7 @@ class HostExecutor:
         self.optimizer: torch.optim.Optimizer | None = None
         self._feed: PartFeed | None = None  # the running worker's parts
         self._in_backward: set[int] = set()  # ids of parts stepped in this step's backward
+        self.speculation: SpeculativeStep | None = None  # this step's update in backward
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Follow `optimizer`'s param groups; fails here, naming it, if it has no host kernel."""
@@ -264,7 +256,7 @@ class HostExecutor:
     def before_step(self) -> None:
         for s in self.shards:
             s.settle()
-        if self.state is ExecutorState.RUNNING:  # the delayed update of the previous step
+        if self.state is ExecutorState.RUNNING:  # the delayed update, or the speculative one
             self._join()
         if self.state is ExecutorState.WRITE_BACK_PENDING:
             self._write_back()
@@ -273,10 +265,32 @@ class HostExecutor:
     def stepped_in_backward(self) -> bool:
         return bool(self._in_backward)
 
+    def enable_speculation(self) -> None:
+        """step_in_backward: each part gets what a rollback restores from (parts/speculation.py)
+        and keeps its held gradient's buffer (held until the step decides). After bind."""
+        for s in self.shards:
+            s.restore = HostRestore(s, s.host_tier)
+
+    def settle(self, commit: bool, skipped: bool) -> None:
+        """The step has decided on the update applied in backward ([Note: the speculative step]):
+        commit it (its weights are written back now), or roll it back (then `launch` steps the
+        parts again with the step's coefficient, or, `skipped`, nothing runs)."""
+        if self.speculation is None:
+            return
+        speculation, self.speculation = self.speculation, None
+        if commit:
+            speculation.commit()
+            self._move(ExecutorState.WRITE_BACK_PENDING)
+            self._write_back()
+            return
+        speculation.roll_back(skipped)
+        if self.state is not ExecutorState.IDLE:  # (IDLE: the worker failed, see _join)
+            self._move(ExecutorState.IDLE)
+        self._stepped, self._in_backward = [], set()
+
     def launch(self, coef: float, skip: set) -> None:
-        if self._in_backward and coef != 1.0:  # the config refuses clipping and fp16 with it
-            raise RuntimeError(f"offload_optimizer.step_in_backward stepped with coefficient 1, "
-                               f"but the step's is {coef}")
+        if self.speculation is not None:  # Engine._update settles it first
+            raise RuntimeError("an update applied in backward was neither committed nor rolled back")
         todo = [s for s in self.shards if s.unit not in skip and id(s) not in self._in_backward]
         if todo or not self._in_backward:  # (step_in_backward: usually all stepped already)
             self._start(PartFeed(todo), coef, todo)
@@ -285,29 +299,19 @@ class HostExecutor:
                 s.swap_grads()
         self.launches += 1
 
-    def lend_gradients(self, pool) -> None:
-        """step_in_backward: the parts' held gradients take their buffers from `pool`
-        ([Note: held gradients] in parts/held_gradient.py)."""
-        for s in self.shards:
-            s.held.pool = pool
-
-    def held_limit(self) -> int:
-        """step_in_backward: backward waits for the worker while the gradients offered and not
-        yet stepped exceed HELD_PARTS of the largest part (one stepping, one waiting)."""
-        return HELD_PARTS * 4 * max((p.numel for p in self.shards), default=0)
-
-    def offer(self, unit) -> None:
+    def offer(self, unit, coef: float) -> None:
         """step_in_backward: `unit`'s gradient has landed; its parts step now, on the worker,
-        while backward goes on (started by the step's first offer, joined in before_step).
-        Returns once the gradients waiting for the worker fit in `held_limit`."""
+        while backward goes on (started by the step's first offer, joined in before_step), with
+        `coef` (1 / loss scale) under the step's `SpeculativeStep`."""
         parts = [s for s in self.shards if s.unit is unit]
         if not parts:
             return
         if self._feed is not None and self._feed.closed:  # a state reader ended the last worker
             self._join()
-            self._write_back()
+        if self.speculation is None:
+            self.speculation = SpeculativeStep(coef)
         if self._feed is None:
-            self._start(PartFeed(open_=True), 1.0)
+            self._start(PartFeed(open_=True), self.speculation.coef)
         for s in parts:
             if id(s) in self._in_backward:
                 raise RuntimeError(
@@ -315,12 +319,9 @@ class HostExecutor:
                     f"backward before engine.step(); each backward's update is applied as it "
                     f"runs, so call engine.step() after every backward (or turn the key off)")
             s.settle()
-            s.held.offered = True  # released by the worker once stepped
             self._in_backward.add(id(s))
             self._enter(s)
             self._feed.put(s)
-        limit = self.held_limit()
-        self._feed.wait_while(lambda waiting: sum(p.numel * 4 for p in waiting) > limit)
 
     def _start(self, feed: PartFeed, coef: float, given: list | None = None) -> None:
         """A worker stepping `feed`'s parts (`given` those it holds already); RUNNING until
@@ -356,11 +357,15 @@ class HostExecutor:
         """The update itself, on the worker thread: the kernel over each part in memory."""
         i = 0
         while (s := feed.get(i)) is not None:
+            self._before_part(s)
             self._step_fn(s.operands(), groups[s.group], coef)
-            if s.held is not None:  # step_in_backward: the gradient is spent
-                s.held.release()
             feed.finished()
             i += 1
+
+    def _before_part(self, s: KernelPart) -> None:
+        """On the worker, before `s` is stepped: a speculative update keeps what restores it."""
+        if self.speculation is not None and id(s) in self._in_backward:
+            self.speculation.before(s)
 
     def finish(self) -> None:
         """Join the host update and write its weights back, unless it is delayed to the next step."""
@@ -379,7 +384,8 @@ class HostExecutor:
         self._in_backward = set()
 
     def _join(self) -> None:
-        """RUNNING -> WRITE_BACK_PENDING; a failed update is forgotten (IDLE) and re-raised."""
+        """RUNNING -> WRITE_BACK_PENDING (SPECULATED for an update applied in backward); a failed
+        update is forgotten (IDLE) and re-raised."""
         self._feed.close()  # step_in_backward: backward offers nothing more
         self._worker.join()
         self._worker, self._feed = None, None
@@ -390,7 +396,8 @@ class HostExecutor:
             if isinstance(error, OSError):  # an I/O failure names its file: raise it as it is
                 raise error
             raise RuntimeError(f"the {self.tier} optimizer step failed") from error
-        self._move(ExecutorState.WRITE_BACK_PENDING)
+        self._move(ExecutorState.SPECULATED if self.speculation is not None
+                   else ExecutorState.WRITE_BACK_PENDING)
 
     def _write_back(self) -> None:
         for s in self._stepped:
@@ -405,13 +412,16 @@ class HostExecutor:
     @property
     def pending_write_back(self) -> bool:
         """A delayed host update has finished or runs, and its weights are not yet written back."""
-        return self.state is not ExecutorState.IDLE and bool(self._stepped)
+        return (self.state not in (ExecutorState.IDLE, ExecutorState.SPECULATED)
+                and bool(self._stepped))
 
     def drop_pending(self) -> None:
         """Before a load: finish this engine's own delayed update and forget its write-back, so it
         neither runs on under the loaded state nor overwrites the loaded weights."""
         if self.state is ExecutorState.RUNNING:
             self._join()
+        if self.speculation is not None:  # an update applied in backward: forgotten
+            self.settle(commit=False, skipped=False)
         if self.state is ExecutorState.WRITE_BACK_PENDING:
             self._move(ExecutorState.IDLE)
         if self._copied is not None:
@@ -432,6 +442,7 @@ class HostExecutor:
             self._feed.close()
             self._worker.join()
             self._worker, self._error, self._feed = None, None, None
+        self.speculation = None
         if self.state is not ExecutorState.IDLE:
             self._move(ExecutorState.IDLE)
         if self._copied is not None:  # host -> device weight copies still read host buffers

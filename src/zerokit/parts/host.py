@@ -30,7 +30,7 @@ class HostPart(PartSpan):
         self.held = None if self.grads else HeldGradient(self.numel)
         self.current = 0
         self.staging = buffers.get("host_staging")
-        self._tier = host
+        self.host_tier = host
         self.state: dict[str, torch.Tensor] = {}
         self.steps = 0  # host updates applied, the 1-based bias-correction count of the next one
         self.group = 0  # the optimizer param group whose hyper-parameters apply (bound later)
@@ -41,6 +41,7 @@ class HostPart(PartSpan):
         # kernel's rounding arguments (set by the engine, engine/bf16_state.py `configure_parts`)
         self.state_dtype = torch.float32
         self.rounding: dict = {}
+        self.restore = None  # step_in_backward: what a rollback restores (parts/speculation.py)
 
     def begin_step(self, worker_done) -> None:
         """The executor's worker steps this part next: counted, the gradient it reads taken
@@ -63,8 +64,8 @@ class HostPart(PartSpan):
         if self.state:
             return
         for key in STATE_NAMES[family]:
-            self.state[key] = self._tier.allocate(f"{self.unit.name}/host_state.{key}",
-                                                  "optimizer_state", self.numel, self.state_dtype)
+            self.state[key] = self.host_tier.allocate(f"{self.unit.name}/host_state.{key}",
+                                                     "optimizer_state", self.numel, self.state_dtype)
             if fill:
                 self.state[key].fill_(fill)
 
@@ -81,7 +82,7 @@ class HostPart(PartSpan):
             return
         if any(a < hi and lo < b for _, a, b in self._staged):
             self.settle()  # an earlier micro-step's bucket still occupies this staging range
-        self._staged.append((self._tier.copy(self.staging[lo:hi], part), lo, hi))
+        self._staged.append((self.host_tier.copy(self.staging[lo:hi], part), lo, hi))
 
     def settle(self) -> None:
         """Finish the device -> host gradient copies in flight (CUDA) and accumulate them."""
@@ -119,7 +120,11 @@ class HostPart(PartSpan):
             self.busy.wait()
 
     def master_values(self) -> torch.Tensor:
+        """The master as of the last step (an update applied in backward counts from the step
+        that commits it, as an nvme part's live slot does)."""
         self.wait()
+        if self.restore is not None and self.restore.saved:
+            return self.restore.master
         return self.master
 
     def write_weights(self) -> None:

@@ -112,6 +112,42 @@ class FileGradient:
         self._exact = True
 
 
+class NvmeSlots:
+    """An nvme part's master and optimizer state files, in two slots under the speculative step
+    ([Note: the speculative step] in parts/speculation.py): `live` is the part's state (what the
+    stream reads, checkpoints save and a resume loads); a speculative stream writes the other
+    slot, which becomes live at commit and is forgotten at a rollback. Without speculation there
+    is one slot and the stream writes in place."""
+
+    def __init__(self, master: FileRange):
+        self.masters: list[FileRange | None] = [master, None]
+        self.states: list[dict[str, FileRange]] = [{}, {}]
+        self.live = 0
+        self.target = 0  # the slot the running / next stream writes
+
+    @property
+    def two(self) -> bool:
+        return self.masters[1] is not None
+
+    def add_second(self, nvme: NvmeTier, name: str) -> None:
+        """Reserve the second slot (the same files' sizes, kind "restores" in the ledger)."""
+        first = self.masters[0]
+        self.masters[1] = nvme.allocate(f"{name}/nvme_master.slot1", "restores", first.numel,
+                                        torch.float32)
+        self.states[1] = {k: nvme.allocate(f"{name}/nvme_state.{k}.slot1", "restores", r.numel,
+                                           torch.float32) for k, r in self.states[0].items()}
+
+    def write_other(self) -> None:
+        """The next stream of this part writes the slot that is not live."""
+        self.target = 1 - self.live
+
+    def switch(self) -> None:
+        self.live = self.target
+
+    def stay(self) -> None:
+        self.target = self.live
+
+
 class NvmePart(PartSpan):
     """The nvme part: fp32 master, optimizer state and gradient in files on the nvme tier, the
     new weights in host memory (or in the shard's file); stepped a sub-group at a time by the
@@ -125,7 +161,7 @@ class NvmePart(PartSpan):
                  out16: torch.Tensor | None, nvme: NvmeTier, home, in_place: bool, pinned: bool):
         super().__init__(unit, span.lo, span.hi, WeightsOut(home, out16, in_place, pinned))
         self.nvme = nvme
-        self.master = master
+        self.slots = NvmeSlots(master)  # master and state: see NvmeSlots
         # one gradient file, two with the delayed update (the stream reads one, backward writes
         # the other; swap_grads flips `current`); none with step_in_backward: held in memory
         self.held = None if grad_files else HeldGradient(self.numel)
@@ -136,11 +172,42 @@ class NvmePart(PartSpan):
         # the stream writes each sub-group's new weights to the shard's file (`out_file`).
         self.out_file = home.range if out16 is None and isinstance(home, FileHome) else None
         self.streamed = False  # the running / last stream wrote the new weights to out_file
-        self.state: dict[str, FileRange] = {}
         self.steps = 0  # updates applied, the 1-based bias-correction count of the next one
         self.group = 0  # the optimizer param group whose hyper-parameters apply (bound later)
         self.gradient_in_flight: FileGradient | HeldGradient | None = None  # what the stream reads
         self.busy = None  # the executor worker that may write master/state (executors.WorkerDone)
+
+    @property
+    def master(self) -> FileRange:
+        """The live fp32 master (what the stream reads)."""
+        return self.slots.masters[self.slots.live]
+
+    @property
+    def state(self) -> dict[str, FileRange]:
+        """The live optimizer state (what the stream reads)."""
+        return self.slots.states[self.slots.live]
+
+    @property
+    def master_out(self) -> FileRange:
+        """Where the running stream writes the new master (the live slot unless speculating)."""
+        return self.slots.masters[self.slots.target]
+
+    @property
+    def state_out(self) -> dict[str, FileRange]:
+        return self.slots.states[self.slots.target]
+
+    def roll_back(self, skipped: bool) -> None:
+        """The speculative update is forgotten (its slot stays unused); for a skipped step the
+        new weights it wrote go back to the live master's (a redo writes them again)."""
+        self.slots.stay()
+        if not skipped:
+            self.streamed = False
+            return
+        if self.out_file is not None:
+            self.streamed = False
+            self.out.home.copy_(self.master_values())
+        elif self.out16 is not None:
+            self.out16.copy_(read_range(self.nvme, self.master))
 
     def begin_step(self, worker_done) -> None:
         """The stream steps this part next: counted, the gradient it reads taken, marked busy."""
@@ -179,7 +246,7 @@ class NvmePart(PartSpan):
         if self.state:
             return
         for key in STATE_NAMES[family]:
-            self.state[key] = self.nvme.allocate(f"{self.unit.name}/nvme_state.{key}",
+            self.slots.states[0][key] = self.nvme.allocate(f"{self.unit.name}/nvme_state.{key}",
                                                  "optimizer_state", self.numel, torch.float32)
             if fill:
                 fill_range(self.nvme, self.state[key], fill)

@@ -103,6 +103,12 @@ class NvmeExecutor(HostExecutor):
         self._sets: list[_BufferSet] = []
         self.stream_s = 0.0  # the last stream's wall time
 
+    def enable_speculation(self) -> None:
+        """step_in_backward: each part's second file slot (parts/nvme.py NvmeSlots; see
+        parts/speculation.py). After bind."""
+        for s in self.parts:
+            s.slots.add_second(self.nvme, s.unit.name)
+
     @property
     def parts(self) -> list[NvmePart]:
         return self.shards
@@ -180,18 +186,18 @@ class NvmeExecutor(HostExecutor):
             for h in b.reads:
                 h.wait()
             b.reads = []
+            if lo == 0:  # the part's first sub-group: a speculative update writes the other slot
+                self._before_part(s)
             self._update(s, lo, n, b, groups[s.group], coef)
-            b.writes = [self.nvme.write(s.master.narrow(lo, n), b.master[:n])]
-            b.writes += [self.nvme.write(s.state[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
+            b.writes = [self.nvme.write(s.master_out.narrow(lo, n), b.master[:n])]
+            b.writes += [self.nvme.write(s.state_out[k].narrow(lo, n), b.state[k][:n]) for k in b.state]
             if s.out_file is not None:  # the new weights straight to the shard's file
                 new = b.master if s.out_file.dtype == torch.float32 else b.out16
                 b.writes.append(self.nvme.write(s.out_file.narrow(lo, n), new[:n]))
                 s.streamed = True
             if not self.settings.pipeline_write:
                 b.wait_writes()
-            if lo + n == s.numel:  # the part's last sub-group: its held gradient is spent
-                if s.held is not None:
-                    s.held.release()
+            if lo + n == s.numel:  # the part's last sub-group
                 feed.finished()
             i += 1
         for b in sets:

@@ -48,9 +48,11 @@ class PlacementPolicy:
     param_buffer_count / param_buffer_size: with params_on_nvme, offload_param.buffer_count and
         buffer_size: shards read ahead of their gather, at most this many, each at most this many
         elements (larger shards are read when gathered).
-    step_in_backward: offload_optimizer.step_in_backward: the host and NVMe parts of a unit are
-        stepped as soon as backward has reduced its gradient (parts/executors.py); an nvme part's
-        gradient is then held in host memory until stepped, never written to a file.
+    step_in_backward: offload_optimizer.step_in_backward ("auto" resolved: on for an offloaded
+        optimizer without the delayed update): the host and NVMe parts of a unit are stepped
+        speculatively as soon as backward has reduced its gradient (parts/speculation.py); their
+        gradients are held in host memory until the step decides, never written to a file.
+        initialize turns it off where the host cannot hold that (engine/assemble.py).
     master_dtype / state_dtype: the master weights (and the gradients the optimizer reads) and
         the optimizer state, fp32 or bf16 (bf16.bf16_master_weights_and_grads /
         bf16_optimizer_states; engine/bf16_state.py decides and checks what is wired).
@@ -90,12 +92,12 @@ class PlacementPolicy:
                                  "implemented; give a number in [0, 1]")
             return cls(float(off.ratio), off.pin_memory, off.delayed_update.enabled,
                        off.delayed_update.warmup_steps, nvme=True, ram_numel=off.max_in_cpu,
-                       step_in_backward=off.step_in_backward, **params)
+                       step_in_backward=_steps_in_backward(off), **params)
         if off.device != "cpu":
             return cls(**params)
         auto = off.ratio == "auto"
         return cls(1.0 if auto else float(off.ratio), off.pin_memory, off.delayed_update.enabled,
-                   off.delayed_update.warmup_steps, auto, step_in_backward=off.step_in_backward,
+                   off.delayed_update.warmup_steps, auto, step_in_backward=_steps_in_backward(off),
                    **params)
 
     @property
@@ -160,3 +162,11 @@ class PlacementPolicy:
             what += ("; each unit's offloaded part stepped in backward, once its gradient is "
                      "reduced (offload_optimizer.step_in_backward)")
         return "offload: " + what
+
+
+def _steps_in_backward(off) -> bool:
+    """offload_optimizer.step_in_backward resolved: "auto" is on unless the delayed update is
+    (an explicit true with it is refused by the config)."""
+    if off.step_in_backward == "auto":
+        return not off.delayed_update.enabled
+    return bool(off.step_in_backward)

@@ -27,7 +27,8 @@ from zerokit.tiers.timeline import MemoryTimeline, Timeline
 
 TIERS = tuple(TierName)
 _TIER_TEXT = tuple(t.value for t in TIERS)  # errors print ('device', 'host', 'nvme')
-KINDS = ("weights", "grads", "master", "optimizer_state", "buffers", "activations")
+# restores: what the speculative step's rollback restores from (parts/speculation.py)
+KINDS = ("weights", "grads", "master", "optimizer_state", "buffers", "activations", "restores")
 
 
 class BudgetExceededError(MemoryError):
