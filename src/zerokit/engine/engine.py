@@ -26,7 +26,8 @@ from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
 from zerokit.parts.executors import HostExecutor
 from zerokit.parts.speculation import SpeculationCounts, settle
 from zerokit.states import EngineFailedError, TrainingState, move
-from zerokit.engine.health import LossWatch, describe_position, handle_nonfinite, reduce_step_scalars
+from zerokit.engine.health import (LossWatch, check_replicas_agree, describe_position, handle_nonfinite,
+                                   reduce_step_scalars)
 from zerokit.engine.precision import LossScaleAtMinimumError, LossScaler, cast_inputs_half
 from zerokit.engine.offload_states import OffloadStatesAPI
 from zerokit.engine.preemption import Preemption
@@ -382,7 +383,8 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         scalars = reduce_step_scalars(trainable, self.comm, self.policy.shard_optimizer,
                                       self._losses, self._preemption.requested,
                                       abandoned=self._abandoned_step is not None)
-        self._check_replicas_agree(scalars.abandoned_by)
+        mine, self._abandoned_step = self._abandoned_step, None
+        check_replicas_agree(mine, scalars.abandoned_by, self.comm, self.policy.shard_optimizer)
         self._preemption.agreed = scalars.preempted
         self._step_unused = scalars.unused  # read by _unused_everywhere
         norm = scalars.grad_norm
@@ -489,27 +491,6 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         """Units no rank produced a gradient for since the last step: agreed in the step's one
         all-reduce, with the gradient norm (see health.reduce_step_scalars)."""
         return [u for u in units if u in self._step_unused]
-
-    def _check_replicas_agree(self, abandoned_by: list[int]) -> None:
-        """Some ranks abandoned their last step while others applied it. Where the optimizer
-        state is partitioned each rank steps only its own shard, so every rank still gathers the
-        same weights (that shard missed one update); where it is replicated (stage 0) the
-        replicas now differ, and training on would be silently wrong."""
-        mine, self._abandoned_step = self._abandoned_step, None
-        if not abandoned_by or len(abandoned_by) == self.comm.world_size:
-            return
-        applied = [r for r in range(self.comm.world_size) if r not in abandoned_by]
-        what = (f"rank(s) {abandoned_by} abandoned their previous step (their optimizer raised) "
-                f"while rank(s) {applied} applied it")
-        if self.policy.shard_optimizer:
-            if self.comm.rank == 0:
-                log.warning("zerokit: %s; the shards of rank(s) %s missed that one update", what,
-                            abandoned_by)
-            return
-        raise CollectiveError(
-            f"rank {self.comm.rank}: {what}{f' (this rank, at step {mine})' if mine is not None else ''}. "
-            f"Every rank keeps a full replica of the weights here, so the replicas now differ: "
-            f"restart from the last checkpoint.")
 
     def wait_for_weights(self) -> None:
         """Finish gathering the weights of the last step (see [Note: weights in flight])."""

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zerokit.comm.collectives import CollectiveError
+
 if TYPE_CHECKING:
     from zerokit.comm.collectives import Comm
     from zerokit.units.unit import Unit
@@ -133,3 +135,25 @@ def handle_nonfinite(engine: "Engine", trainable: list["Unit"], scalars: StepSca
         raise NonFiniteError(text)
     if engine.comm.rank == 0:
         log.warning(text)
+
+
+def check_replicas_agree(mine: int | None, abandoned_by: list[int], comm, shard_optimizer: bool
+                         ) -> None:
+    """Some ranks abandoned their last step (`mine`: this rank's, if it did) while others applied
+    it. Where the optimizer state is partitioned each rank steps only its own shard, so every
+    rank still gathers the same weights (that shard missed one update); where it is replicated
+    (stage 0) the replicas now differ, and training on would be silently wrong."""
+    if not abandoned_by or len(abandoned_by) == comm.world_size:
+        return
+    applied = [r for r in range(comm.world_size) if r not in abandoned_by]
+    what = (f"rank(s) {abandoned_by} abandoned their previous step (their optimizer raised) "
+            f"while rank(s) {applied} applied it")
+    if shard_optimizer:
+        if comm.rank == 0:
+            log.warning("zerokit: %s; the shards of rank(s) %s missed that one update", what,
+                        abandoned_by)
+        return
+    raise CollectiveError(
+        f"rank {comm.rank}: {what}{f' (this rank, at step {mine})' if mine is not None else ''}. "
+        f"Every rank keeps a full replica of the weights here, so the replicas now differ: "
+        f"restart from the last checkpoint.")
