@@ -204,7 +204,7 @@ def test_off_where_the_host_cannot_hold_the_restores(monkeypatch, caplog):
     import zerokit
     from zerokit.engine import host_budget
 
-    monkeypatch.setattr(host_budget, "speculation_need", lambda layouts, kind: (0, 1 << 50, 0))
+    monkeypatch.setattr(host_budget, "speculation_need", lambda layouts, kind, *dtypes: (0, 1 << 50, 0))
     with caplog.at_level(logging.WARNING, logger="zerokit"):
         engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=_config(2, "bf16", "cpu", None))
     try:

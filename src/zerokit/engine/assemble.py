@@ -195,7 +195,8 @@ def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
     estimator (zerokit.memory) read the same figure."""
     need = host_budget.host_need(layouts, kind, placement.state_dtype)
     if placement.step_in_backward:  # gradients held until the step decides, and the restores
-        held, need.restores, _ = host_budget.speculation_need(layouts, kind)
+        held, need.restores, _ = host_budget.speculation_need(layouts, kind, placement.master_dtype,
+                                                              placement.state_dtype)
         need.grads += held
     largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
     if largest:
@@ -259,7 +260,8 @@ def _speculation_fits(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
     if rank == 0:
         import logging
 
-        held, restores, _ = host_budget.speculation_need(layouts, kind)
+        held, restores, _ = host_budget.speculation_need(layouts, kind, placement.master_dtype,
+                                                         placement.state_dtype)
         logging.getLogger("zerokit").warning(
             "zerokit: offload_optimizer.step_in_backward off: the plan with it needs %s of host "
             "memory per rank (%s of it gradients held until the step decides and %s of restores) "
@@ -275,9 +277,10 @@ def _enable_speculation(executors: list, ledger: Ledger) -> None:
     kernel = [e for e in executors if isinstance(e, HostExecutor)]
     for executor in kernel:
         executor.enable_speculation()
-    held = [p.held for e in kernel for p in e.shards]
-    ledger.track_external("held_gradients", TierName.HOST, "grads",
-                          lambda: sum(h.nbytes for h in held))
+    for e in kernel:
+        for p in e.shards:  # counted when allocated (at its first piece), peak included
+            p.held.counted = functools.partial(ledger.hold_bytes, f"{p.unit.name}/held_gradient[{p.lo}]",
+                                               "grads", TierName.HOST)
 
 
 def _auto_ratio(placement: PlacementPolicy, plan, device: torch.device, dtype: torch.dtype

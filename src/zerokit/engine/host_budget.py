@@ -67,15 +67,21 @@ def host_need(layouts: list, optimizer_kind: str | None,
     return need
 
 
-def speculation_need(layouts: list, optimizer_kind: str | None) -> tuple[int, int, int]:
+def speculation_need(layouts: list, optimizer_kind: str | None,
+                     master_dtype: torch.dtype = torch.float32,
+                     state_dtype: torch.dtype = torch.float32) -> tuple[int, int, int]:
     """step_in_backward's bytes on this rank ([Note: the speculative step] in
     parts/speculation.py): (gradients held in host memory until the step decides, every
     offloaded element's; the host parts' restores: master, state and 16-bit output; the nvme
-    parts' second file slot: master and state)."""
+    parts' second file slot: master and state). A host part's held gradient and restores are in
+    its master's and state's dtypes (bf16.bf16_master_weights_and_grads / bf16_optimizer_states);
+    nvme parts are fp32."""
     state = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
-    held = sum(4 * (lay.host_numel + lay.nvme_numel) for lay in layouts)
+    master = torch.empty(0, dtype=master_dtype).element_size()
+    host_state = state // 2 if state_dtype == torch.bfloat16 else state  # the table counts fp32
+    held = sum(master * lay.host_numel + 4 * lay.nvme_numel for lay in layouts)
     out16 = sum(lay.record("host_out16").nbytes for lay in layouts if lay.has("host_out16"))
-    host = sum((4 + state) * lay.host_numel for lay in layouts) + out16
+    host = sum((master + host_state) * lay.host_numel for lay in layouts) + out16
     return held, host, sum((4 + state) * lay.nvme_numel for lay in layouts)
 
 

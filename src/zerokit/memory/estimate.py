@@ -27,6 +27,7 @@ import torch
 from zerokit.config import load_config, resolve_auto
 from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
 from zerokit.engine.assemble import plan_layouts, planned_host_need
+from zerokit.engine.host_budget import speculation_need
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.memory.activations import measure_forward, token_batch
 from zerokit.memory.gathered import gathered_peak_numel
@@ -39,7 +40,7 @@ from zerokit.units.wrap import group_parameters, select_modules
 
 # Host bytes by ledger kind: engine/host_budget.py HostNeed's fields.
 _HOST_FIELDS = {"weights": "weights", "master": "master", "grads": "grads",
-                "optimizer_state": "state", "buffers": "buffers"}
+                "optimizer_state": "state", "buffers": "buffers", "restores": "restores"}
 _DEFAULT_OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4}}
 
 
@@ -108,6 +109,8 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
         device["optimizer_state"] += state * sum(p.numel for p in lay.parts if p.tier is TierName.DEVICE)
         nvme["optimizer_state"] += state * lay.nvme_numel
     need = planned_host_need(cfg, placement, layouts, recipe.kind)
+    if placement.step_in_backward:  # the nvme parts' second file slot (parts/speculation.py)
+        nvme["restores"] += speculation_need(layouts, recipe.kind)[2]
     for kind, name in _HOST_FIELDS.items():
         host[kind] += getattr(need, name)
 

@@ -28,10 +28,14 @@ def host_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 class HeldGradient:
-    """A part's fp32 gradient in host memory (see the note)."""
+    """A part's gradient in host memory (see the note), in the master's dtype: fp32, or bf16
+    with bf16.bf16_master_weights_and_grads (rounded and accumulated as the host part's own
+    gradient buffer is, so the speculative step reads the same values)."""
 
-    def __init__(self, numel: int):
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32):
         self.numel = numel
+        self.dtype = dtype
+        self.counted = None  # the ledger's count of this buffer, called with its bytes when allocated
         self._buf: torch.Tensor | None = None  # allocated at the first piece, then kept
         self._landed: list[tuple[int, int]] = []  # [lo, hi) written since the last release
         self._settled = True
@@ -39,11 +43,13 @@ class HeldGradient:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self._buf is None else self.numel * 4
+        return 0 if self._buf is None else self.numel * self._buf.element_size()
 
     def _landing(self) -> torch.Tensor:
         if self._buf is None:
-            self._buf = host_buffer(self.numel)
+            self._buf = host_buffer(self.numel, self.dtype)
+            if self.counted is not None:
+                self.counted(self.nbytes)
         return self._buf
 
     def add(self, piece: torch.Tensor, offset: int) -> None:

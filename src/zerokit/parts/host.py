@@ -27,7 +27,7 @@ class HostPart(PartSpan):
         self.master = buffers["host_master"]
         self.grads = [buffers[n] for n in ("host_grad0", "host_grad1") if n in buffers]
         # step_in_backward: no gradient buffer between steps, one held while in use
-        self.held = None if self.grads else HeldGradient(self.numel)
+        self.held = None if self.grads else HeldGradient(self.numel, self.master.dtype)
         self.current = 0
         self.staging = buffers.get("host_staging")
         self.host_tier = host

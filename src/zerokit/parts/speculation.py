@@ -77,9 +77,9 @@ class HostRestore:
     def __init__(self, part, tier):
         self.part = part
         name = f"{part.unit.name}/host_restore"
-        self.master = tier.allocate(f"{name}.master", "restores", part.numel, torch.float32)
-        self.state = {k: tier.allocate(f"{name}.{k}", "restores", part.numel, torch.float32)
-                      for k in part.state}
+        self.master = tier.allocate(f"{name}.master", "restores", part.numel, part.master.dtype)
+        self.state = {k: tier.allocate(f"{name}.{k}", "restores", part.numel, v.dtype)
+                      for k, v in part.state.items()}
         out = part.out16
         self.out16 = None if out is None else tier.allocate(f"{name}.out16", "restores",
                                                             part.numel, out.dtype)

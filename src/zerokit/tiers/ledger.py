@@ -47,7 +47,6 @@ class Ledger:
         self._held: dict[str, tuple[str, str, int]] = {}
         self._current: dict[tuple[str, str], int] = defaultdict(int)
         self._peak: dict[tuple[str, str], int] = defaultdict(int)
-        self._external: dict[str, Callable[[], int]] = {}
         self._io: dict[str, dict[str, float]] = {}  # tier -> its last step's I/O report
         self.timeline = Timeline()  # see [Note: the memory timeline] in tiers/timeline.py
         self._budget: dict[str, tuple[int, str]] = {}  # tier -> (bytes, where it came from)
@@ -167,11 +166,6 @@ class Ledger:
                 released = True
         return release
 
-    def track_external(self, name: str, tier: str, kind: str, read_bytes: Callable[[], int]) -> None:
-        """A byte count kept elsewhere (gradients an executor holds until stepped), read when the
-        ledger is read (not in the peak)."""
-        self._external[(tier, kind, name)] = read_bytes
-
     def record_io(self, tier: str, report: dict[str, float]) -> None:
         """A step's I/O on `tier` (the nvme executor's: bytes read / written, GB/s, wait)."""
         self._io[tier] = dict(report)
@@ -184,9 +178,6 @@ class Ledger:
         table = self._peak if peak else self._current
         total = sum(v for (t, k), v in table.items()
                     if (tier is None or t == tier) and (kind is None or k == kind))
-        if not peak:
-            total += sum(f() for (t, k, _), f in self._external.items()
-                         if (tier is None or t == tier) and (kind is None or k == kind))
         return total
 
     def table(self, peak: bool = False) -> dict[str, dict[str, int]]:
