@@ -72,10 +72,11 @@ def settle(executors: list, coef: float, overflow: bool, counts: SpeculationCoun
 
 class HostRestore:
     """A host part's master, optimizer state and 16-bit output as they were before its
-    speculative update (see the note); allocated once, on the host tier, kind "restores"."""
+    speculative update (see the note); allocated once, on the host tier, kind "restores".
+    It keeps no reference to its part (the part holds it: a back reference would be a cycle that
+    only a gc pass frees, and a dropped engine must free its buffers without one)."""
 
     def __init__(self, part, tier):
-        self.part = part
         name = f"{part.unit.name}/host_restore"
         self.master = tier.allocate(f"{name}.master", "restores", part.numel, part.master.dtype)
         self.state = {k: tier.allocate(f"{name}.{k}", "restores", part.numel, v.dtype)
@@ -85,8 +86,7 @@ class HostRestore:
                                                             part.numel, out.dtype)
         self.saved = False  # holds the state before an update not yet committed or rolled back
 
-    def save(self) -> None:
-        p = self.part
+    def save(self, p) -> None:
         self.saved = True
         self.master.copy_(p.master)
         for k, v in p.state.items():
@@ -94,8 +94,7 @@ class HostRestore:
         if self.out16 is not None:
             self.out16.copy_(p.out16)
 
-    def restore(self) -> None:
-        p = self.part
+    def restore(self, p) -> None:
         self.saved = False
         p.master.copy_(self.master)
         for k, v in p.state.items():
@@ -128,7 +127,7 @@ class SpeculativeStep:
     def before(self, part) -> None:
         """On the worker: `part` is about to be stepped under this speculation."""
         if part.tier is TierName.HOST:
-            part.restore.save()
+            part.restore.save(part)
         else:
             part.slots.write_other()
         with self._lock:
@@ -148,7 +147,7 @@ class SpeculativeStep:
         for p in self.parts:
             p.steps -= 1
             if p.tier is TierName.HOST:
-                p.restore.restore()
+                p.restore.restore(p)
             else:
                 p.roll_back(skipped)
         self.parts = []
