@@ -226,6 +226,13 @@ class OffloadOptimizerConfig(_Section):
                             "optimizers without delayed_update, off where the host memory "
                             "cannot hold the restores and the held gradients (initialize logs "
                             "it); true: on (refused with delayed_update); false: off.")
+    speculation: Literal["adaptive", "always"] = Field(
+        "adaptive", description="zerokit, with step_in_backward: 'adaptive' (the default): a step "
+                                "speculates unless the last applied step's gradient clipping "
+                                "applied (a redo would likely follow); such a step's parts step "
+                                "in step() from the held gradients, and speculation resumes after "
+                                "a step that clipping left alone. 'always': every step speculates "
+                                "(each step whose clipping applies is redone).")
 
     @model_validator(mode="after")
     def _valid(self) -> "OffloadOptimizerConfig":
