@@ -25,8 +25,9 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
                the step's NVMe stream overlaps the next forward and backward. Changes the math
                (weights one step stale), so it is a row of its own, never compared as equal.
   zk-inf-ds-clip zk-inf-ds with gradient_clipping 1e-3, whatever --clipping says: clipping applies
-               at every step, so every update stepped in backward is redone; the "redo" column
-               says what that costs per step.
+               at every step, so the first update stepped in backward is redone and, speculation
+               being adaptive (offload_optimizer.speculation), the later steps are held back
+               (stepped in step()); the "redo" column says what the redos cost per step.
 Both sides take `gradient_clipping` (--clipping, default 1.0: DeepSpeed's default; 0 turns it off)
 and `gradient_accumulation_steps` (--accumulation, default 1): a timed step is that many
 micro-steps (forward, backward, step() each), and tokens/s counts all of them.
