@@ -22,7 +22,7 @@ from zerokit.units.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
 from zerokit.parts.executors import DeviceExecutor, HostExecutor
-from zerokit.engine import bf16_state, host_budget, nvme_plan
+from zerokit.engine import bf16_state, host_budget, nvme_plan, planner
 from zerokit.parts.nvme_executor import NvmeExecutor
 from zerokit.engine.byte_plan import plan_layouts, planned_host_need, stream_settings
 from zerokit.optim.recipe import build_optimizer, recipe_from
@@ -55,7 +55,6 @@ def initialize(model: nn.Module, optimizer: Any = None,
     configure_logging(comm.rank)
     batch = cfg.resolve_batch(comm.world_size)
     policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
-    placement = PlacementPolicy.from_config(cfg.zero_optimization)
     recipe = recipe_from(model, optimizer, model_parameters, cfg.optimizer)
 
     dtype = compute_dtype(cfg)
@@ -69,6 +68,12 @@ def initialize(model: nn.Module, optimizer: Any = None,
     for tier, (nbytes, source) in budgets.items():
         ledger.set_budget(tier, nbytes, source)
     groups = group_parameters(model, select_modules(model, wrap), recipe.group_of)
+    if planner.asked(cfg, budgets):  # budgets in, placement out: the chosen keys fill the config
+        cfg = planner.plan_at_initialize(planner.PlanInputs(
+            cfg, groups, comm.world_size, comm.rank, comm.device.type == "cuda", policy, dtype,
+            reduce_dtype(cfg), batch[2], recipe.kind, optimizer, budgets,
+            rss_margin=parse_size(cfg.memory.rss_margin, "memory.rss_margin")), model, comm).config
+    placement = PlacementPolicy.from_config(cfg.zero_optimization)
     plan = functools.partial(plan_layouts, groups, comm.world_size, comm.rank,
                              comm.device.type == "cuda", policy, dtype, reduce_dtype(cfg), batch[2])
     if placement.auto:
