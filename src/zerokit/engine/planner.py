@@ -452,7 +452,7 @@ def choose(inputs: PlanInputs, bw: Bandwidths) -> Plan:
     stage3 = inputs.cfg.zero_optimization.stage == 3
     fitting = [p for p in considered if p.fits]
     if not fitting:
-        raise PlacementBudgetError(_refusal(considered, stage3))
+        raise PlacementBudgetError(_refusal(considered, stage3, free.nvme_path is not None))
     in_ram = [p for p in fitting if not p.tier(TierName.NVME)]
     pool = in_ram or fitting
     fastest = min(p.seconds for p in pool)
@@ -482,7 +482,7 @@ def _why(best: Prediction, pool: list, fitting: list, in_ram: list, considered: 
     return why
 
 
-def _refusal(considered: list, stage3: bool) -> str:
+def _refusal(considered: list, stage3: bool, has_disk: bool) -> str:
     valid = [p for p in considered if not p.invalid]
     if not valid:
         return ("no placement can run: " + "; ".join(sorted({p.invalid for p in considered})))
@@ -504,8 +504,9 @@ def _refusal(considered: list, stage3: bool) -> str:
         detail = ", ".join(f"{k} {mib(v)}" for k, v in parts.items()) or "nothing"
         over = f", over {mib(limit)} ({source}) by {mib(total - limit)}" if limit is not None and total > limit else ""
         lines.append(f"  {name}: {mib(total)} = {detail}{over}")
-    lines.append("Raise the budget, give an offload_*.nvme_path (a disk lets the planner put "
-                 "state on NVMe), or spread the model over more ranks.")
+    lines.append("Raise the budget" + ("" if has_disk else ", give an offload_optimizer or "
+                 "offload_param nvme_path (a disk lets the planner put state on NVMe)")
+                 + ", or spread the model over more ranks.")
     return "\n".join(lines)
 
 
