@@ -75,6 +75,24 @@ def test_everything_in_ram_puts_nothing_on_nvme_even_with_a_fast_disk():
     assert choose(_inputs(cfg, 1 << 30), slow_host).chosen.choice.optimizer == "none"
 
 
+def test_ram_that_holds_it_wins_even_over_a_disk_placement_predicted_faster(monkeypatch):
+    """The rule, not only the time model: a budget that holds the optimizer in RAM stepped in
+    step() but not the restores of stepping in backward leaves NVMe candidates (stepping in
+    backward, part on disk); predicted faster by a patched model, they still lose."""
+    cfg = _cfg(stage=2)
+    roomy = choose(_inputs(cfg, 1 << 30), BW)
+    need = {p.choice.step_in_backward: _host_need(p) for p in roomy.considered
+            if p.choice.optimizer == "cpu"}
+    assert need[True] > need[False]
+    monkeypatch.setattr(planner, "step_time", lambda inputs, placement, layouts, bw:
+                        {"model": 0.001 if placement.nvme else 1.0})
+    plan = choose(_inputs(cfg, (need[True] + need[False]) // 2), BW)
+    faster = [p for p in plan.considered if p.fits and p.tier(NVME) and p.seconds < plan.chosen.seconds]
+    assert faster, plan.explain()
+    assert plan.chosen.tier(NVME) == 0, plan.explain()
+    assert "RAM holds it, so no candidate with bytes on NVMe was taken" in plan.explain()
+
+
 def test_a_tight_budget_moves_state_to_nvme_and_keeps_in_ram_what_fits():
     cfg = _cfg()
     roomy = choose(_inputs(cfg, 1 << 30, process=50 << 20), BW)

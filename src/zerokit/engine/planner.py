@@ -170,23 +170,27 @@ class Plan:
     def explain(self) -> str:
         lines = [f"memory planner: {len(self.considered)} placements considered; bandwidths: "
                  f"{self.bandwidths.describe()}",
-                 f"  {'':2} {'s/step':>8} {'device':>12} {'host':>12} {'nvme':>12}  placement"]
+                 f"  {'':2} {'step':>10} {'device':>12} {'host':>12} {'nvme':>12}  placement"]
         for p in sorted(self.considered, key=lambda p: (not p.fits, p.seconds)):
             mark = "=>" if p is self.chosen else "  "
             verdict = (f"  [cannot run: {p.invalid}]" if p.invalid else
                        "  [over " + ", ".join(f"{k} by {mib(v)}" for k, v in p.over.items()) + "]"
                        if p.over else "")
             cells = [mib(p.tier(t), 1) for t in (TierName.DEVICE, TierName.HOST, TierName.NVME)]
-            secs = f"{p.seconds:8.3f}" if not p.invalid else f"{'-':>8}"
+            secs = f"{_secs(p.seconds):>10}" if not p.invalid else f"{'-':>10}"
             lines.append(f"  {mark} {secs} {cells[0]:>12} {cells[1]:>12} {cells[2]:>12}  "
                          f"{p.choice.describe(self.stage3)}{verdict}")
         c = self.chosen
         lines.append(f"chosen: {c.choice.describe(self.stage3)}: {self.why}; predicted "
-                     + ", ".join(f"{k} {v:.3f} s" for k, v in c.time_parts.items() if v)
+                     + ", ".join(f"{k} {_secs(v)}" for k, v in c.time_parts.items() if v)
                      + "; " + "; ".join(f"{name} {mib(need)} of {mib(limit)} ({src})"
                                         for name, (need, limit, src, _) in c.checks.items()
                                         if limit is not None))
         return "\n".join(lines)
+
+
+def _secs(x: float) -> str:
+    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms"
 
 
 # ------------------------------------------------------------------------------ what is free
@@ -477,7 +481,7 @@ def _why(best: Prediction, pool: list, fitting: list, in_ram: list, considered: 
             why += (f"; tied in time with '{nxt.choice.describe(stage3)}', kept for fewer NVMe "
                     f"bytes, then more read-ahead, then fewer host bytes")
         else:
-            why += (f"; next: '{nxt.choice.describe(stage3)}' at {nxt.seconds:.3f} s "
+            why += (f"; next: '{nxt.choice.describe(stage3)}' at {_secs(nxt.seconds)} "
                     f"(+{100 * (nxt.seconds / best.seconds - 1) if best.seconds else 0:.0f}%)")
     return why
 
