@@ -115,10 +115,11 @@ def test_a_tight_budget_moves_state_to_nvme_and_keeps_in_ram_what_fits():
     assert (z.offload_optimizer.device, z.offload_param.device) != ("none", "none")
     assert z.offload_optimizer.max_in_cpu == c.choice.opt_max_in_cpu
     assert z.offload_param.max_in_cpu == c.choice.param_max_in_cpu
+    # (here: the weights in RAM, the optimizer on NVMe with max_in_cpu elements kept in RAM)
+    assert c.choice.opt_max_in_cpu > 0 or c.choice.param_max_in_cpu > 0, plan.explain()
     if c.choice.optimizer == "nvme":
-        per_element = 8 + 4 + 4  # state, master, held gradient (fp32), at least
         slack = budget - _host_need(c)
-        assert slack < max(64 * per_element * 4, 512 << 10), (slack, plan.explain())
+        assert 0 <= slack < 64 * 32, (slack, plan.explain())  # 64 elements of at most 32 B
     # the prediction is the byte rules' figure for the config the plan writes
     from zerokit.engine.planner import _layouts, _placement
 
