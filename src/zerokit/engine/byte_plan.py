@@ -104,19 +104,29 @@ def planned_bytes(cfg, placement: PlacementPolicy, layouts: list[UnitLayout],
     return out
 
 
+def max_pending_reduce_numel(zero_cfg) -> int:
+    """Elements of gradient reductions the engine lets be in flight before it waits for the
+    oldest (Engine._drain): two buckets, enough to overlap and bounded in memory; none with
+    overlap_comm false (DeepSpeed's meaning: wait for each reduction as soon as it starts)."""
+    return 2 * zero_cfg.reduce_bucket_size if zero_cfg.overlap_comm else 0
+
+
 def reduce_buffer_bytes(layouts: list[UnitLayout], policy: PartitionPolicy, compute: torch.dtype,
-                        reduce: torch.dtype) -> int:
+                        reduce: torch.dtype, zero_cfg) -> int:
     """The gradient buffers units/unit.py `launch_reduce` allocates for its collective: stage
     2-3 copy every micro-step's gradients into one; below stage 2 the gradient (or its fp32
     sum) is reduced in place unless its dtype is not the reduce dtype. Each unit launches its
-    reduction as its gradients complete and they are waited for at the end of backward, so all
-    of them are alive at once."""
-    total = 0
-    element = torch.empty(0, dtype=reduce).element_size()
+    reduction as its gradients complete; the engine waits for the oldest while more than
+    `max_pending_reduce_numel` elements are in flight, so at most that many plus the newest
+    unit's are alive at once (all of them, where they add up to less)."""
+    sizes = []
     for lay in layouts:
         if not lay.parts:  # frozen: no gradient
             continue
         local = torch.float32 if lay.has("grad_acc") else compute
         if policy.shard_gradients or local != reduce:
-            total += lay.padded_numel * element
-    return total
+            sizes.append(lay.padded_numel)
+    if not sizes:
+        return 0
+    alive = min(sum(sizes), max_pending_reduce_numel(zero_cfg) + max(sizes))
+    return alive * torch.empty(0, dtype=reduce).element_size()

@@ -539,7 +539,8 @@ def _transients(inputs: PlanInputs, model: torch.nn.Module) -> int:
     from zerokit.engine.gathered_peak import gathered_peak_numel
 
     layouts = _layouts(inputs, PlacementPolicy())
-    total = reduce_buffer_bytes(layouts, inputs.policy, inputs.dtype, inputs.reduce)
+    total = reduce_buffer_bytes(layouts, inputs.policy, inputs.dtype, inputs.reduce,
+                                inputs.cfg.zero_optimization)
     if inputs.policy.shard_weights:
         units = [(name, module, lay.numel, lay.padded_numel)
                  for (name, module, *_), lay in zip(inputs.groups, layouts)]

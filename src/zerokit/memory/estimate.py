@@ -12,8 +12,8 @@ The estimate is the engine's own plan, run on a model that lives on the meta dev
   same per nvme-part element (engine/nvme_plan.py's rule);
 - stage 3's gathered weights are the real scheduler's peak over the model's use order
   (engine/gathered_peak.py), and the reduction's gradient buffers those units/unit.py
-  `launch_reduce` allocates (byte_plan.py `reduce_buffer_bytes`: all alive until the end of
-  backward);
+  `launch_reduce` allocates (byte_plan.py `reduce_buffer_bytes`: as many alive as the engine
+  lets be in flight);
 - activations are the bytes one micro-batch's forward saves for backward, measured on the meta
   device (memory/activations.py). The ledger counts activations only when zerokit's activation
   checkpointing keeps them, so the per-tier comparison with a run's ledger leaves them out.
@@ -106,7 +106,7 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
         units = [(name, module, lay.numel, lay.padded_numel)
                  for (name, module, *_), lay in zip(groups, layouts)]
         device["weights"] += element * gathered_peak_numel(units, order or modules, src.model, zero)
-    device["buffers"] += reduce_buffer_bytes(layouts, policy, compute, reduce_dtype(cfg))
+    device["buffers"] += reduce_buffer_bytes(layouts, policy, compute, reduce_dtype(cfg), zero)
     return result
 
 
