@@ -68,11 +68,13 @@ def initialize(model: nn.Module, optimizer: Any = None,
     for tier, (nbytes, source) in budgets.items():
         ledger.set_budget(tier, nbytes, source)
     groups = group_parameters(model, select_modules(model, wrap), recipe.group_of)
+    placed = None
     if planner.asked(cfg, budgets):  # budgets in, placement out: the chosen keys fill the config
-        cfg = planner.plan_at_initialize(planner.PlanInputs(
+        placed = planner.plan_at_initialize(planner.PlanInputs(
             cfg, groups, comm.world_size, comm.rank, comm.device.type == "cuda", policy, dtype,
             reduce_dtype(cfg), batch[2], recipe.kind, optimizer, budgets,
-            rss_margin=parse_size(cfg.memory.rss_margin, "memory.rss_margin")), model, comm).config
+            rss_margin=parse_size(cfg.memory.rss_margin, "memory.rss_margin")), model, comm)
+        cfg = placed.config
     placement = PlacementPolicy.from_config(cfg.zero_optimization)
     plan = functools.partial(plan_layouts, groups, comm.world_size, comm.rank,
                              comm.device.type == "cuda", policy, dtype, reduce_dtype(cfg), batch[2])
@@ -139,6 +141,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
                     executors)
     engine._steps_in_backward = placement.step_in_backward  # the key as resolved above
     engine.config = config_dict(config if config is not None else config_params, cfg)
+    if placed is not None:
+        placed.shown_in(engine.config)
     if policy.shard_weights:
         attach_ds_views(model, units)  # see [Note: ds_* views]
     engine.placement = placement

@@ -166,6 +166,15 @@ class Plan:
     bandwidths: Bandwidths
     why: str
     stage3: bool
+    nvme_path: str | None = None
+
+    def shown_in(self, raw: dict) -> None:
+        """Writes the chosen keys into `raw`'s offload sections (engine.config, the DeepSpeed
+        dict the HF Trainer reads), in new dicts: the user's nested dicts are not touched."""
+        zero = dict(raw.get("zero_optimization") or {})
+        for name, keys in self.chosen.choice.keys(self.nvme_path).items():
+            zero[name] = {**(zero.get(name) or {}), **keys}
+        raw["zero_optimization"] = zero
 
     def explain(self) -> str:
         lines = [f"memory planner: {len(self.considered)} placements considered; bandwidths: "
@@ -462,8 +471,8 @@ def choose(inputs: PlanInputs, bw: Bandwidths) -> Plan:
     fastest = min(p.seconds for p in pool)
     best = min((p for p in pool if p.seconds <= fastest * (1 + TIE)), key=_tie_key)
     why = _why(best, pool, fitting, in_ram, considered, stage3)
-    plan = Plan(best, considered, _resolved(inputs.cfg, best.choice, free.nvme_path), bw, why, stage3)
-    return plan
+    return Plan(best, considered, _resolved(inputs.cfg, best.choice, free.nvme_path), bw, why, stage3,
+                free.nvme_path)
 
 
 def _why(best: Prediction, pool: list, fitting: list, in_ram: list, considered: list,
