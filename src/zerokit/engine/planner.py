@@ -34,6 +34,12 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    candidate with its predicted time and bytes per tier, and why the chosen one won. No
    candidate fitting raises PlacementBudgetError with the closest one's bytes per tier and kind
    and the smallest budget per tier that some candidate fits.
+5. the chosen keys are written into the config's offload sections (and engine.config's dict), so
+   everything after reads them as if set by hand.
+Not chosen yet: bucket and prefetch sizes, sub_group_size; not measured: all-gather bandwidth,
+activations (rss_margin holds them). Inherited pessimism: the byte rules count every offloaded
+element's gradient as held when stepping in backward (host_budget.speculation_need), so large
+models rarely get step_in_backward from the planner.
 """
 from __future__ import annotations
 
