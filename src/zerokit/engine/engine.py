@@ -23,6 +23,7 @@ from zerokit.units.lease import ReadLease
 from zerokit.engine.checkpoint_state import CheckpointMethods
 from zerokit.engine.attachment import Attachment, weakly
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
+from zerokit.engine.byte_plan import max_pending_reduce_numel
 from zerokit.parts.executors import HostExecutor
 from zerokit.parts.speculation import SpeculationCounts, settle
 from zerokit.states import EngineFailedError, TrainingState, move
@@ -114,8 +115,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
         # Gradients of at most two buckets in flight: enough to overlap, bounded in memory.
         # overlap_comm=false (DeepSpeed's meaning): wait for each reduction as soon as it starts.
-        self._max_pending_bytes = (2 * config.zero_optimization.reduce_bucket_size * 4
-                                   if config.zero_optimization.overlap_comm else 0)
+        self._max_pending_bytes = 4 * max_pending_reduce_numel(config.zero_optimization)
         self._hooks = self._attachment.hooks
         self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(weakly(self._on_grad), u, i))
                         for u in units if u.trainable for i, s in enumerate(u.slots)
