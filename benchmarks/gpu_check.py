@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 import warnings
+from typing import Any
 
 import torch
 
@@ -250,6 +251,35 @@ def main() -> int:
         text += "; " + check_placement(engine, device, host_optimizer=True)
         engine.destroy()
         return text
+
+    def final_weights(cfg: dict) -> tuple[dict[str, torch.Tensor], Any]:
+        engine, *_ = zerokit.initialize(model=make_gpt(), config=cfg)
+        train(engine, device)
+        out = engine.consolidated_fp32_state_dict()
+        counts = dict(vars(engine.speculation))
+        engine.destroy()
+        return out, counts
+
+    def bit_equal(a: dict, b: dict) -> None:
+        bad = [k for k in a if not torch.equal(a[k], b[k])]
+        if bad:
+            k = bad[0]
+            raise AssertionError(f"{len(bad)} tensors differ, e.g. {k}: max "
+                                 f"{(a[k].double() - b[k].double()).abs().max().item():.3g}")
+
+    for clip, want in ((1e-3, "redone"), (0.0, "committed")):
+        @case(f"stage 2 offload_optimizer cpu, Twin-Flow 0.5, speculative step ({want}) = step()")
+        def _(clip=clip, want=want):
+            def cfg(sib: bool) -> dict:
+                c = config(2, offload_optimizer={"device": "cpu", "pin_memory": True, "ratio": 0.5,
+                                                 "step_in_backward": sib, "speculation": "always"})
+                return dict(c, gradient_clipping=clip)
+            spec, counts = final_weights(cfg(True))
+            base, _ = final_weights(cfg(False))
+            bit_equal(spec, base)
+            if counts[want] != STEPS:
+                raise AssertionError(f"speculation counts {counts}, expected {want}={STEPS}")
+            return f"bit-equal after {STEPS} steps; {counts}"
 
     @case("a model already on the GPU stays there")
     def _():
