@@ -200,7 +200,8 @@ def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
         need.grads += held
     largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
     if largest:
-        need.buffers += buffer_set_bytes(_stream_settings(cfg, placement), kind, largest)
+        need.buffers += buffer_set_bytes(_stream_settings(cfg, placement), kind, largest,
+                                         placement.master_dtype, placement.state_dtype)
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
     if shards:  # the shards read ahead (buffer_count) and the one a gather reads now: at most
         # the largest buffer_count + 1 of them (a larger shard than buffer_size is not read ahead)
@@ -220,8 +221,11 @@ def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
     paths = []
     if largest:
-        second_slot = host_budget.speculation_need(layouts, kind)[2] if placement.step_in_backward else 0
-        nvme_plan.check_nvme_path(zero.offload_optimizer.nvme_path, nvme_plan.nvme_need(layouts, kind)
+        second_slot = (host_budget.speculation_need(layouts, kind, placement.master_dtype,
+                                                    placement.state_dtype)[2]
+                       if placement.step_in_backward else 0)
+        nvme_plan.check_nvme_path(zero.offload_optimizer.nvme_path,
+                                  nvme_plan.nvme_need(layouts, kind, placement.state_dtype)
                                   + second_slot + (nvme_plan.weight_need(layouts) if shards and _same_disk(
                                       zero.offload_param.nvme_path, zero.offload_optimizer.nvme_path)
                                      else 0))

@@ -42,10 +42,6 @@ def with_state_dtypes(cfg, placement: PlacementPolicy, optimizer: Any) -> Placem
     combo = (f"bf16.bf16_master_weights_and_grads with "
              f"{'bf16' if bf16_states else 'fp32'} optimizer states")
     off = cfg.zero_optimization.offload_optimizer
-    if placement.nvme:
-        raise NotImplementedError(
-            f"{combo} on offload_optimizer device 'nvme' is not implemented yet (issue #27: the "
-            f"nvme parts' files stay fp32); use offload_optimizer device 'cpu'")
     if placement.ratio < 1.0:
         where = ("without offload_optimizer" if not placement.offloads
                  else f"with offload_optimizer.ratio {off.ratio} (Twin-Flow's device part)")
@@ -65,7 +61,7 @@ def configure_parts(units: list, placement: PlacementPolicy) -> None:
     with the same bits."""
     for unit in units:
         for part in getattr(unit, "parts", ()):
-            if part.tier is not TierName.HOST:
+            if part.tier not in (TierName.HOST, TierName.NVME):
                 continue
             part.state_dtype = placement.state_dtype
             if placement.stochastic_rounding:

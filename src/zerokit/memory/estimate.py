@@ -8,7 +8,9 @@ The estimate is the engine's own plan, run on a model that lives on the meta dev
   records, the host parts' optimizer state, the NVMe stream's buffer sets, the shards read
   ahead, the held gradients' pool);
 - device optimizer state is STATE_BYTES_PER_ELEMENT (config/plan.py) per device-part element,
-  nvme optimizer state the same per nvme-part element (engine/nvme_plan.py's rule);
+  nvme optimizer state the same per nvme-part element (engine/nvme_plan.py's rule), halved with
+  bf16.bf16_optimizer_states; masters and gradients follow the placement's dtypes
+  (engine/bf16_state.py `with_state_dtypes`, as at initialize);
 - stage 3's gathered weights are the real scheduler's peak over the model's use order
   (memory/gathered.py), and the reduction's gradient buffers those units/unit.py
   `launch_reduce` allocates (`_reduce_buffers`: all alive until the end of backward);
@@ -25,9 +27,9 @@ from typing import Any
 import torch
 
 from zerokit.config import load_config, resolve_auto
-from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
 from zerokit.engine.assemble import plan_layouts, planned_host_need
-from zerokit.engine.host_budget import speculation_need
+from zerokit.engine.bf16_state import with_state_dtypes
+from zerokit.engine.host_budget import speculation_need, state_bytes_per_element
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.memory.activations import measure_forward, token_batch
 from zerokit.memory.gathered import gathered_peak_numel
@@ -91,6 +93,7 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
     if placement.auto:
         raise ValueError("offload_optimizer.ratio 'auto' is chosen at initialize from rates measured "
                          "on the machine; give a number in [0, 1] to estimate")
+    placement = with_state_dtypes(cfg, placement, None)  # bf16 master / state keys
     _, micro, accumulation = cfg.resolve_batch(world_size)
     recipe = recipe_from(src.model, None, None, cfg.optimizer)
     groups = group_parameters(src.model, select_modules(src.model, wrap), recipe.group_of)
@@ -99,7 +102,7 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
                            accumulation, placement)
     result = Estimate(_label(zero), world_size, sum(lay.numel for lay in layouts),
                       {t: dict.fromkeys(KINDS, 0) for t in TIERS})
-    state = STATE_BYTES_PER_ELEMENT.get(recipe.kind or "", 8)
+    state = state_bytes_per_element(recipe.kind, placement.state_dtype)
     device, host, nvme = (result.bytes[t] for t in (TierName.DEVICE, TierName.HOST, TierName.NVME))
     for lay in layouts:
         for kind, n in lay.bytes(TierName.DEVICE, transient=False).items():
@@ -110,7 +113,8 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
         nvme["optimizer_state"] += state * lay.nvme_numel
     need = planned_host_need(cfg, placement, layouts, recipe.kind)
     if placement.step_in_backward:  # the nvme parts' second file slot (parts/speculation.py)
-        nvme["restores"] += speculation_need(layouts, recipe.kind)[2]
+        nvme["restores"] += speculation_need(layouts, recipe.kind, placement.master_dtype,
+                                             placement.state_dtype)[2]
     for kind, name in _HOST_FIELDS.items():
         host[kind] += getattr(need, name)
 
@@ -186,7 +190,8 @@ def _config(config: dict | None, stage, offload_optimizer, offload_param, dtype,
     if dtype is not None:
         if dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be 'fp32', 'bf16' or 'fp16' (got {dtype!r})")
-        cfg["bf16"] = {"enabled": dtype == "bf16"}
+        # bf16's other keys (bf16_master_weights_and_grads, ...) stay where bf16 is on
+        cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": True} if dtype == "bf16" else {"enabled": False}
         cfg["fp16"] = {"enabled": dtype == "fp16"}
     return cfg
 

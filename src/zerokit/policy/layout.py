@@ -30,7 +30,8 @@ host part's length, `r` = this rank's shard):
     nvme_*       with offload_optimizer device 'nvme' the offloaded range [a, a + k) splits:
                  [a, a + h) is the host part above (h: the max_in_cpu budget), [a + h, a + k)
                  the nvme part: nvme_master and nvme_grad0 (and nvme_grad1 with the delayed
-                 update; none with step_in_backward) fp32 on the nvme tier, nvme_out
+                 update; none with step_in_backward) on the nvme tier in the master's dtype
+                 (fp32, or bf16 with bf16.bf16_master_weights_and_grads), nvme_out
                  compute dtype on the host (offload_param, no delay: the host shard; none
                  where the shard is on NVMe: the stream writes the new weights to its file)
 The host part's optimizer state is allocated when the optimizer is known (HostPart.init_state),
@@ -242,20 +243,20 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
 def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
                        compute_dtype: torch.dtype, lo: int, hi: int, cuda: bool,
                        shard_tier: TierName) -> list[BufferRecord]:
-    """ZeRO-Infinity's part: the fp32 master and gradient in files (the optimizer state joins at
-    bind), as DeepSpeed swaps them; the new compute-dtype weights in host memory
+    """ZeRO-Infinity's part: the master and gradient in files, in placement.master_dtype (the
+    optimizer state joins at bind, in placement.state_dtype), as DeepSpeed swaps them; the new compute-dtype weights in host memory
     (parts/nvme_executor.py). Gradients reach their file through small host buffers
     (parts/nvme.py), so no record of the part's size is needed for them in RAM."""
-    f32 = torch.float32
+    master = placement.master_dtype  # bf16.bf16_master_weights_and_grads: 2 bytes per element
     pin = placement.pin_memory and cuda and torch.cuda.is_available()
     # offload_param without the delay: the stream writes the new weights into the host shard
     # itself, as the host part does (no second 16-bit copy of the part in RAM).
     in_place = shard_tier is TierName.HOST and not placement.delayed and partition.shard_weights
     # With the delayed update the stream reads one gradient file while backward writes the other;
     # stepped in backward, the gradient is held in host memory until stepped (no file).
-    grads = [BufferRecord(f"nvme_grad{i}", "grads", TierName.NVME, f32, lo, hi)
+    grads = [BufferRecord(f"nvme_grad{i}", "grads", TierName.NVME, master, lo, hi)
              for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1)]
-    records = [BufferRecord("nvme_master", "master", TierName.NVME, f32, lo, hi), *grads]
+    records = [BufferRecord("nvme_master", "master", TierName.NVME, master, lo, hi), *grads]
     if shard_tier is not TierName.NVME:  # the step's new weights, written back to the weights'
         # home after the stream (a shard on NVMe: the stream writes them to its file a sub-group
         # at a time)

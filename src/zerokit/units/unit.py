@@ -176,7 +176,7 @@ class Unit:
             if r.kind == "master" and r.alias_of is None and r.tier is TierName.NVME:
                 from zerokit.parts.nvme import fill_range, host_buffer  # the I/O engine: only with NVMe
 
-                staged = host_buffer(r.numel)  # one part's master in RAM, then to its file
+                staged = host_buffer(r.numel, r.dtype)  # one part's master in RAM, then to its file
                 self._copy_param_values(staged, r.lo, r.hi)
                 fill_range(tiers[TierName.NVME], bufs[r.name], staged)
             elif r.kind == "master" and r.alias_of is None:
