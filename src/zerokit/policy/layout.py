@@ -18,8 +18,9 @@ host part's length, `r` = this rank's shard):
                  through, transient ([Note: weight shards on NVMe] in tiers/nvme_shard.py)
     grads        compute dtype, [0, P)   gradients reduced once per boundary (stage < 2)
     grad_acc     fp32, [0, P)            16-bit compute, accumulation > 1, stage < 2
-    master       fp32, [a + k, b)        the device part's master (fp32 compute: the weights)
-    master_grad  fp32, [a + k, b)        the device part's reduced gradient (stage 0 fp32: grads)
+    master       master, [a + k, b)      the device part's master (fp32 compute: the weights);
+                                         `master` = placement.master_dtype (below)
+    master_grad  master, [a + k, b)      the device part's reduced gradient (stage 0 fp32: grads)
     host_master  master, [a, a + k)      the host part's master (fp32 + in-place: the host shard);
                                          `master` = placement.master_dtype: fp32, or bf16 with
                                          bf16.bf16_master_weights_and_grads
@@ -193,12 +194,13 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
         records.append(BufferRecord("grads", "grads", TierName.DEVICE, compute_dtype, 0, padded))
     # fp32 compute: the optimizer steps the weights in place, where they live on the device.
     master_is_weights = fp32 and next(r for r in records if r.name == home).tier is TierName.DEVICE
-    records.append(BufferRecord("master", "master", TierName.DEVICE, f32, a + k, b,
+    master = placement.master_dtype  # bf16 with bf16.bf16_master_weights_and_grads
+    records.append(BufferRecord("master", "master", TierName.DEVICE, master, a + k, b,
                                 alias_of=home if master_is_weights else None))
     # DDP in fp32: reduce in place in the gradient buffer, no second copy.
     grads_are_master = (not partition.shard_gradients and not partition.shard_optimizer and fp32
                         and reduce_dtype == f32 and k == 0)
-    records.append(BufferRecord("master_grad", "grads", TierName.DEVICE, f32, a + k, b,
+    records.append(BufferRecord("master_grad", "grads", TierName.DEVICE, master, a + k, b,
                                 alias_of="grads" if grads_are_master else None))
     if not partition.shard_gradients and not fp32 and grad_accum_steps > 1:
         # Stage 0: the fp32 sum of the micro-steps is the master gradient itself.
