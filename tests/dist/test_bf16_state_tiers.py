@@ -273,12 +273,15 @@ def _files(rank, world, cfg):
         for name in names:  # the swap files (not the directory's claim lock, named per process)
             if name.endswith(".swp"):
                 sizes[name] = os.stat(os.path.join(root, name)).st_size
+    from zerokit.config.plan import explain
+
     sets = engine.ledger.bytes(tier="host", kind="buffers")
     ledger_nvme = engine.ledger.bytes(tier="nvme")
+    plan = explain(engine)
     engine.destroy()
     est = estimate(tiny_gpt(), world, config=cfg, activations=False)
-    return {"sizes": sizes, "buffers": sets, "ledger_nvme": ledger_nvme,
-            "estimate_nvme": est.tier("nvme")}
+    return {"sizes": sizes, "buffers": sets, "ledger_nvme": ledger_nvme, "plan": plan,
+            "estimate_nvme": est.tier("nvme"), "estimate_buffers": est.bytes["host"]["buffers"]}
 
 
 @pytest.mark.parametrize("sib", [False, True])
@@ -295,8 +298,11 @@ def test_nvme_files_hold_half_the_bytes(tmp_path, sib):
         assert any(kind in name for name in bf16["sizes"]), (kind, sorted(bf16["sizes"]))
     for name, size in fp32["sizes"].items():
         assert size > 0 and bf16["sizes"][name] * 2 == size, (name, size, bf16["sizes"][name])
-    for run in (fp32, bf16):
+    for run in (fp32, bf16):  # the estimator and the host budget's plan count what is allocated
         assert run["estimate_nvme"] == run["ledger_nvme"] == sum(run["sizes"].values()), run
+        assert run["estimate_buffers"] == run["buffers"], run
+    names = "bf16 master, " + ("" if sib else "bf16 gradient, ") + "bf16 optimizer state"
+    assert f"in files ({names})" in bf16["plan"], bf16["plan"]
     # the stream's buffer sets (host): one sub-group per set, half the bytes; the 16-bit output
     # (nvme_out, bf16 in both) is the rest of the host buffers
     big = [run_world(_files, 1, cfg(m, 4000))[0]["buffers"] for m in (False, True)]
@@ -320,8 +326,9 @@ def _checkpoint(rank, world, path, save_cfg, load_cfgs):
     engine_train(engine, batches[:2], rank, world)
     engine.save_checkpoint(ckpt, tag="t")
     saved = flat_state(engine)
+    saved_weights = engine.consolidated_fp32_state_dict()
     engine_train(engine, batches[2:], rank, world)
-    out = {"saved": saved, "after": flat_state(engine), "loads": []}
+    out = {"saved": saved, "saved_weights": saved_weights, "after": flat_state(engine), "loads": []}
     engine.destroy()
     for cfg in load_cfgs:
         engine, *_ = zerokit.initialize(model=tiny_gpt(7), config=cfg)
@@ -330,6 +337,19 @@ def _checkpoint(rank, world, path, save_cfg, load_cfgs):
         engine_train(engine, batches[2:], rank, world)
         out["loads"].append({"loaded": loaded, "after": flat_state(engine)})
         engine.destroy()
+    return out
+
+
+def _load_only(rank, world, ckpt, cfg):
+    import zerokit
+
+    off = cfg["zero_optimization"].get("offload_optimizer", {})
+    if "nvme_path" in off:
+        os.makedirs(off["nvme_path"], exist_ok=True)
+    engine, *_ = zerokit.initialize(model=tiny_gpt(7), config=cfg)
+    engine.load_checkpoint(ckpt, tag="t")
+    out = {"loaded": flat_state(engine), "weights": engine.consolidated_fp32_state_dict()}
+    engine.destroy()
     return out
 
 
@@ -347,6 +367,16 @@ def test_bf16_nvme_checkpoints_resume_and_convert(tmp_path):
         for k, v in r["saved"].items():
             if "/steps@" not in k:
                 assert widened[k].dtype == torch.float32 and torch.equal(widened[k], v.float()), k
+    # resharded: world 2's bf16 nvme checkpoint into world 1 (nvme, Twin-Flow): each unit's
+    # elements are the two ranks' saved ranges end to end, the weights the same
+    for cfg in (_config(2, "nvme", p + "/f", sr=True), _config(2, "twin", None, sr=True)):
+        one = run_world(_load_only, 1, p + "/w/ckpt", cfg)[0]
+        for k, v in one["loaded"].items():
+            if "/steps@" not in k:
+                both = torch.cat([out[0]["saved"][k], out[1]["saved"][k]])
+                assert v.dtype == both.dtype and torch.equal(v, both), k
+        for k, v in one["weights"].items():
+            assert torch.equal(v, out[0]["saved_weights"][k]), k
     # fp32 nvme -> bf16 nvme: rounded once to nearest
     out = run_world(_checkpoint, 1, p + "/v", _config(2, "nvme", p + "/d", master=False),
                     [_config(2, "nvme", p + "/e")], timeout=600)[0]
