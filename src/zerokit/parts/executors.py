@@ -58,24 +58,27 @@ def kernel_for(optimizer: torch.optim.Optimizer, kernels: Any = K
                 issubclass(kind, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
             b1, b2 = g["betas"]
             kernels.adam_step(s.master, s.grad, s.state["exp_avg"], s.state["exp_avg_sq"],
-                        lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
-                        step=s.step, adamw=adamw, bias_correction=g.get("bias_correction", True),
-                        grad_scale=-coef if g.get("maximize") else coef, out16=s.out16, **s.rounding)
+                              lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"],
+                              weight_decay=g["weight_decay"], step=s.step, adamw=adamw,
+                              bias_correction=g.get("bias_correction", True),
+                              grad_scale=-coef if g.get("maximize") else coef, out16=s.out16,
+                              **s.rounding)
         return "adam", adam
     if issubclass(kind, (torch.optim.Adagrad, HostAdagrad)):
         def adagrad(s: KernelOperands, g: dict, coef: float) -> None:
             kernels.adagrad_step(s.master, s.grad, s.state["sum"], lr=g["lr"], eps=g["eps"],
-                           weight_decay=g["weight_decay"], step=s.step, lr_decay=g["lr_decay"],
-                           grad_scale=-coef if g.get("maximize") else coef, out16=s.out16,
-                           **s.rounding)
+                                 weight_decay=g["weight_decay"], step=s.step,
+                                 lr_decay=g["lr_decay"],
+                                 grad_scale=-coef if g.get("maximize") else coef, out16=s.out16,
+                                 **s.rounding)
         return "adagrad", adagrad
     if issubclass(kind, (HostLion, Lion)):
         def lion(s: KernelOperands, g: dict, coef: float) -> None:
             b1, b2 = g["betas"]
             kernels.lion_step(s.master, s.grad, s.state["exp_avg"], lr=g["lr"], beta1=b1,
-                        beta2=b2, weight_decay=g["weight_decay"],
-                        grad_scale=-coef if g.get("maximize") else coef, out16=s.out16,
-                        step=s.step, **s.rounding)
+                              beta2=b2, weight_decay=g["weight_decay"],
+                              grad_scale=-coef if g.get("maximize") else coef, out16=s.out16,
+                              step=s.step, **s.rounding)
         return "lion", lion
     raise TypeError(f"zero_optimization.offload_optimizer: optimizer {kind.__module__}.{kind.__name__} "
                     f"has no host kernel; offload supports {SUPPORTED}")
