@@ -5,7 +5,7 @@
 - tiers: the same config placed on host parts, nvme parts, Twin-Flow 0.4 (host + device part),
   Twin-Flow 0.4 over nvme, and no offload gives, after every step, every element's master and
   optimizer state and the step counts bit-equal to the host parts' (stochastic rounding too), at
-  stages 1-3, world 1 and 2;
+  stages 1-3, world 1 and 2; with the delayed update and a host budget (max_in_cpu) too;
 - an independent reference: a plain-torch loop over the bf16 parameters stepping each with
   fallback_bf16's math (no engine, no units) gives the engine's weights bit for bit;
 - stepping in backward (the speculative step) with bf16 nvme parts and Twin-Flow equals stepping in
@@ -14,8 +14,8 @@
 - the files on disk (measured, not recomputed) are half the fp32 run's: master, gradient, state
   and the speculative step's second slot; the stream's host buffers too, and the estimator says
   the ledger's NVMe bytes;
-- checkpoints of bf16 nvme parts resume exactly, move to host and device parts, and convert to
-  and from fp32 files (widened exactly / rounded once).
+- checkpoints of bf16 nvme parts resume exactly, move to host and device parts and to another
+  world size, and convert to and from fp32 files (widened exactly / rounded once).
 """
 from __future__ import annotations
 
@@ -181,6 +181,30 @@ def test_every_tier_gives_the_host_parts_bits(tmp_path, world):
             assert nvme["nvme"] == {"master": 2 * n, "grads": 2 * n,
                                     "optimizer_state": (4 if states else 8) * n, "restores": 0}, nvme["nvme"]
     assert not failures, "\n".join(failures[:12])
+
+
+def _delayed_and_budgeted(rank, world, path):
+    """The one-step delayed update (two bf16 gradient files per nvme part) and a host budget
+    (max_in_cpu: the first elements in host memory, the rest in bf16 files), nvme vs cpu."""
+    out = {}
+    for device in ("cpu", "nvme"):
+        cfg = _config(2, device, os.path.join(path, device), sr=True)
+        off = cfg["zero_optimization"]["offload_optimizer"]
+        off["delayed_update"] = {"enabled": True, "warmup_steps": 1}
+        if device == "nvme":
+            off["max_in_cpu"] = 3000
+        out[device] = _train(rank, world, cfg, steps=4)
+    return out
+
+
+def test_delayed_update_and_host_budget_on_bf16_nvme_parts(tmp_path):
+    for rank, r in enumerate(run_world(_delayed_and_budgeted, 2, str(tmp_path), timeout=600)):
+        assert r["nvme"]["nvme_numel"] > 0
+        for step, (a, b) in enumerate(zip(r["nvme"]["snaps"], r["cpu"]["snaps"])):
+            bad = _equal(a, b, f"rank {rank} step {step}")
+            assert not bad, bad[:4]
+        n = r["nvme"]["nvme_numel"]
+        assert r["nvme"]["nvme"]["grads"] == 2 * 2 * n, r["nvme"]["nvme"]  # two bf16 files
 
 
 # ---- an independent reference ------------------------------------------------------------------
