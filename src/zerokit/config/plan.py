@@ -146,7 +146,7 @@ def _offload_param_lines(engine: "Engine", placement) -> list[str]:
     if shards or not files:
         lines.append(f"    {len(shards)} weight shards on the host on rank {engine.comm.rank}: "
                      f"{mib(nbytes)} left the device (weights are there only while gathered; the "
-                     f"fp32 master is where offload_optimizer puts it)")
+                     f"master is where offload_optimizer puts it)")
     if files:
         on_disk = sum(u.nvme_shard.file.nbytes for u in files)
         micro = engine.gradient_accumulation_steps()

@@ -202,7 +202,7 @@ class OffloadOptimizerConfig(_Section):
     delayed_update: DelayedUpdateConfig = DelayedUpdateConfig()
     # device "nvme" (ZeRO-Infinity): see parts/nvme_executor.py.
     nvme_path: str | None = Field(
-        None, description="device 'nvme': the directory the fp32 master, gradient and optimizer state files "
+        None, description="device 'nvme': the directory the master, gradient and optimizer state files "
                           "go in (a zerokit-swap/rank<r>-<pid>-<hex> directory of the engine's own under it, "
                           "locked while the engine lives, removed on close).")
     buffer_count: Int = Field(
