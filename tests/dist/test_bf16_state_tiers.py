@@ -183,6 +183,29 @@ def test_every_tier_gives_the_host_parts_bits(tmp_path, world):
     assert not failures, "\n".join(failures[:12])
 
 
+def _other_optimizers(rank, world, path):
+    out = {}
+    for opt, params in (("Adagrad", {"lr": 1e-2, "initial_accumulator_value": 0.1}),
+                        ("Lion", {"lr": 1e-4, "weight_decay": 0.1})):
+        for placement in PLACEMENTS:
+            cfg = _config(2, placement, os.path.join(path, f"{opt}-{placement}"), sr=True)
+            cfg["optimizer"] = {"type": opt, "params": params}
+            out[opt, placement] = _train(rank, world, cfg)
+    return out
+
+
+def test_adagrad_and_lion_on_every_tier(tmp_path):
+    """Adagrad (its sum starting at initial_accumulator_value, which torch's Adagrad creates in
+    the master's dtype) and Lion: every tier gives the host parts' bits."""
+    out = run_world(_other_optimizers, 1, str(tmp_path))[0]
+    for opt in ("Adagrad", "Lion"):
+        host = out[opt, "cpu"]
+        for placement in PLACEMENTS[1:]:
+            for step, (a, b) in enumerate(zip(out[opt, placement]["snaps"], host["snaps"])):
+                bad = _equal(a, b, f"{opt} {placement} step {step}")
+                assert not bad, bad[:4]
+
+
 def _delayed_and_budgeted(rank, world, path):
     """The one-step delayed update (two bf16 gradient files per nvme part) and a host budget
     (max_in_cpu: the first elements in host memory, the rest in bf16 files), nvme vs cpu."""
