@@ -206,6 +206,44 @@ def test_adagrad_and_lion_on_every_tier(tmp_path):
                 assert not bad, bad[:4]
 
 
+def _edited(rank, world, path):
+    """Two steps, an edit of one weight under GatheredParameters (modifier rank 0), one step:
+    the edit reaches the bf16 master wherever it lives (a host tensor, a file, the device)."""
+    import zerokit
+    from zerokit.zero import GatheredParameters
+
+    out = {}
+    for placement in PLACEMENTS:
+        cfg = _config(3, placement, os.path.join(path, placement), sr=True)
+        if placement.startswith("nvme"):
+            os.makedirs(os.path.join(path, placement), exist_ok=True)
+        engine, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+        batches = global_batches(3, MICRO * world)
+        engine_train(engine, batches[:2], rank, world)
+        before = flat_state(engine)
+        weight = engine.module.transformer.h[0].mlp.c_fc.weight
+        with GatheredParameters([weight], modifier_rank=0):
+            if rank == 0:
+                weight.data.mul_(0.5)
+        edited = flat_state(engine)
+        engine_train(engine, batches[2:], rank, world)
+        out[placement] = (edited, flat_state(engine), before)
+        engine.destroy()
+    return out
+
+
+def test_an_edit_under_gathered_parameters_reaches_every_bf16_master(tmp_path):
+    for rank, out in enumerate(run_world(_edited, 2, str(tmp_path), timeout=600)):
+        for placement in PLACEMENTS:
+            edited, _, before = out[placement]
+            key = next(k for k in before if k.endswith("/master") and ".h.0" in k)
+            changed = int((edited[key] != before[key]).sum())
+            assert changed > 0.2 * before[key].numel(), (placement, changed)  # c_fc: most of h.0
+            for which in (0, 1):
+                bad = _equal(out[placement][which], out["cpu"][which], f"rank {rank} {placement}")
+                assert not bad, bad[:4]
+
+
 def _delayed_and_budgeted(rank, world, path):
     """The one-step delayed update (two bf16 gradient files per nvme part) and a host budget
     (max_in_cpu: the first elements in host memory, the rest in bf16 files), nvme vs cpu."""
