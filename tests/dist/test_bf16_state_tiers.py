@@ -11,7 +11,7 @@
 - stepping in backward (the speculative step) with bf16 nvme parts and Twin-Flow equals stepping in
   step(), committed, redone (clipping) and skipped (a non-finite gradient), with an SGD-like,
   scale-sensitive update (Adam with betas 0 and eps far above |g|);
-- the files on disk (measured, not recomputed) are half the fp32 run's: master, gradient, state
+- the files on disk (measured, not recomputed) and a step's I/O report are half the fp32 run's: master, gradient, state
   and the speculative step's second slot; the stream's host buffers too, and the estimator says
   the ledger's NVMe bytes;
 - checkpoints of bf16 nvme parts resume exactly, move to host and device parts and to another
@@ -352,7 +352,8 @@ def _files(rank, world, cfg):
     path = cfg["zero_optimization"]["offload_optimizer"]["nvme_path"]
     os.makedirs(path, exist_ok=True)
     engine, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
-    engine_train(engine, global_batches(1, MICRO * world), rank, world)
+    engine_train(engine, global_batches(2, MICRO * world), rank, world)
+    io = engine.nvme_io()  # the second step's bytes (the first step's include first touches)
     sizes = {}
     for root, _, names in os.walk(path):
         for name in names:  # the swap files (not the directory's claim lock, named per process)
@@ -366,6 +367,7 @@ def _files(rank, world, cfg):
     engine.destroy()
     est = estimate(tiny_gpt(), world, config=cfg, activations=False)
     return {"sizes": sizes, "buffers": sets, "ledger_nvme": ledger_nvme, "plan": plan,
+            "io": (io["bytes_read"], io["bytes_written"]),
             "estimate_nvme": est.tier("nvme"), "estimate_buffers": est.bytes["host"]["buffers"]}
 
 
@@ -383,6 +385,8 @@ def test_nvme_files_hold_half_the_bytes(tmp_path, sib):
         assert any(kind in name for name in bf16["sizes"]), (kind, sorted(bf16["sizes"]))
     for name, size in fp32["sizes"].items():
         assert size > 0 and bf16["sizes"][name] * 2 == size, (name, size, bf16["sizes"][name])
+    # a step's I/O (the engine's report: the stream, gradient files) halves too
+    assert min(fp32["io"]) > 0 and (bf16["io"][0] * 2, bf16["io"][1] * 2) == fp32["io"], (fp32["io"], bf16["io"])
     for run in (fp32, bf16):  # the estimator and the host budget's plan count what is allocated
         assert run["estimate_nvme"] == run["ledger_nvme"] == sum(run["sizes"].values()), run
         assert run["estimate_buffers"] == run["buffers"], run
