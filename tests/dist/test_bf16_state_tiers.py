@@ -11,9 +11,9 @@
 - stepping in backward (the speculative step) with bf16 nvme parts and Twin-Flow equals stepping in
   step(), committed, redone (clipping) and skipped (a non-finite gradient), with an SGD-like,
   scale-sensitive update (Adam with betas 0 and eps far above |g|);
-- the files on disk (measured, not recomputed) and a step's I/O report are half the fp32 run's: master, gradient, state
-  and the speculative step's second slot; the stream's host buffers too, and the estimator says
-  the ledger's NVMe bytes;
+- the files on disk (measured, not recomputed) and a step's I/O report are half the fp32 run's:
+  master, gradient, state and the speculative step's second slot; the stream's host buffers too,
+  and the estimator says the ledger's NVMe bytes;
 - checkpoints of bf16 nvme parts resume exactly, move to host and device parts and to another
   world size, and convert to and from fp32 files (widened exactly / rounded once).
 """
