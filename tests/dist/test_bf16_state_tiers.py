@@ -32,6 +32,17 @@ NEVER, ALWAYS = 1e6, 1e-3  # clipping thresholds the tiny model's gradient norm 
 AIO = {"block_size": 65536, "queue_depth": 4, "thread_count": 2}
 
 
+def _speculate_every_step() -> dict:
+    """offload_optimizer.speculation 'always' where zerokit has the key (adaptive speculation
+    holds a step back after a clipped one; the counts below expect every step speculated)."""
+    from zerokit.config.schema import OffloadOptimizerConfig
+
+    return {"speculation": "always"} if "speculation" in OffloadOptimizerConfig.model_fields else {}
+
+
+_SPECULATE_EVERY_STEP = _speculate_every_step()
+
+
 def _config(stage: int, placement: str, path: str | None, *, sr: bool = False, states: bool = True,
             master: bool = True, sib: bool = False, clip: float = 0.0, sgd: bool = False,
             sub_group: int = 1000, gas: int = 1) -> dict:
@@ -40,7 +51,8 @@ def _config(stage: int, placement: str, path: str | None, *, sr: bool = False, s
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0)
     if placement != "none":
-        off = {"device": "nvme" if placement.startswith("nvme") else "cpu", "step_in_backward": sib}
+        off = {"device": "nvme" if placement.startswith("nvme") else "cpu", "step_in_backward": sib,
+               **_SPECULATE_EVERY_STEP}
         if off["device"] == "nvme":
             off.update(nvme_path=path, buffer_count=3, pipeline_read=True, pipeline_write=True)
         if placement.endswith("twin"):
