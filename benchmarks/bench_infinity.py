@@ -25,22 +25,20 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
                the step's NVMe stream overlaps the next forward and backward. Changes the math
                (weights one step stale), so it is a row of its own, never compared as equal.
   zk-inf-ds-clip zk-inf-ds with gradient_clipping 1e-3, whatever --clipping says: clipping applies
-               at every step, so every update stepped in backward is redone; the "redo" column
-               says what that costs per step.
+               at every step, so the first update stepped in backward is redone and, speculation
+               being adaptive (offload_optimizer.speculation), the later steps are held back
+               (stepped in step()); the "redo" column says what the redos cost per step.
 Both sides take `gradient_clipping` (--clipping, default 1.0: DeepSpeed's default; 0 turns it off)
 and `gradient_accumulation_steps` (--accumulation, default 1): a timed step is that many
 micro-steps (forward, backward, step() each), and tokens/s counts all of them.
-The budgeted rows (zk-inf-ds, zk-inf-half, zk-inf-8g) also set offload_optimizer.step_in_backward:
-each unit's optimizer part steps while backward goes on, its gradient held in host memory until
-then (the same update: the setup has no clipping, no fp16, no accumulation), so the NVMe stream
-overlaps backward and moves 12 bytes per element each way instead of 16.
-A host budget becomes zerokit's own keys (`budget_keys`): the 16-bit weights stay in host memory
-if they fit (offload_param cpu; else NVMe with offload_param.max_in_cpu of them in RAM), then
-offload_optimizer.max_in_cpu keeps as many optimizer elements (16 B each: master, gradient, two
-moments; 12 stepping in backward) in RAM as the rest allows, after an allowance for the process,
-activations, the largest unit's transient buffers and the stream's (`allowance_gib`), and the held
-gradients' pool when stepping in backward; with weights on NVMe, ZK_PARAM_BUFFERS read-ahead buffers of the largest shard
-come off the budget first. Both sides build the model in bf16 (zero.Init dtype).
+The budgeted rows (zk-inf-ds, zk-inf-half, zk-inf-8g, and the -dpu and -clip variants) pass
+`memory.host` and nothing else placement-wise: offload_optimizer.device and offload_param.device
+are "auto" (with the swap folder as their nvme_path) and max_in_cpu, buffer counts, the Twin-Flow
+ratio and step_in_backward are left out, so zerokit's placement planner (engine/planner.py)
+chooses them at initialize from the budget, the model's units and the bandwidths it measured
+(its choice and the candidates it weighed are in the row's log). The model is built on NVMe
+(zero.Init remote_device "nvme") and placed by initialize. Both sides build the model in bf16
+(zero.Init dtype).
 
 Measured outside the libraries under test: step time (wall clock around forward+backward+step),
 peak RSS (the kernel's high-water mark, VmHWM, reset per phase: setup, forward, backward,
@@ -88,15 +86,8 @@ ROWS = {
     "zk-inf-ds-clip": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS, clipping always applies"),
 }
 ROW_CLIPPING = {"zk-inf-ds-clip": 1e-3}  # rows whose gradient_clipping is their own, not --clipping
-# What a zerokit row's process holds besides the budgeted states: the interpreter and torch
-# (~0.4 GiB), the stream's buffer sets (below), activations, allocator slack, and in backward the
-# largest unit (the embedding or the head) gathered (2 B per element), its gradient in bf16 and
-# fp32 and its reduced shard (4 + 2 + 4 B), plus the reductions in flight (ZK_REDUCE_BUCKET).
-# Fitted to the RSS measured at 1B and 3B (both within 0.3 GiB of their budget).
-def allowance_gib(model: str) -> float:
-    return 2.0 + 12 * VOCAB * MODELS[model][1] / GiB
-# Weight shards a zerokit row with weights on NVMe reads ahead (offload_param.buffer_count; the
-# DeepSpeed row needs 16, see ds_config), each up to the embedding's size.
+# Weight shards the unbudgeted zerokit rows read ahead (offload_param.buffer_count; the DeepSpeed
+# row needs 16, see ds_config), each up to the embedding's size.
 ZK_PARAM_BUFFERS = 4
 ZK_SUB_GROUP = 10_000_000  # 4 buffer sets x (master, gradient, 2 moments) x 40 MB = 640 MB
 # Elements per reduce bucket for zerokit rows: two buckets of fp32 gradients may be in flight
@@ -157,9 +148,12 @@ def expected_disk_bytes(model: str, row: str) -> int:
 
 
 def _steps_in_backward(row: str) -> bool:
-    """The budgeted zerokit rows step in backward (see the module docstring)."""
-    return ROWS[row][0] == "zerokit" and (ROWS[row][1] not in (None, "weights") or row.endswith("-sib")) \
-        and not row.endswith("-dpu")
+    """The -sib row steps in backward by hand; the budgeted rows leave it to the planner."""
+    return row.endswith("-sib")
+
+
+def _budgeted(row: str) -> bool:
+    return ROWS[row][0] == "zerokit" and ROWS[row][1] not in (None, "weights")
 
 
 # ===================================================================================== worker
@@ -215,50 +209,32 @@ def ds_config(swap: str, model: str, clipping: float = 1.0, accumulation: int = 
     }
 
 
-def budget_keys(model: str, budget_gib: float | None, weights_in_ram: bool = False,
-                delayed: bool = False, step_in_backward: bool = False) -> dict:
-    """zerokit's placement keys for a host budget (see the module docstring). With the delayed
-    update a host element also keeps a second gradient and its own 16-bit output (22 B, not 16),
-    and the NVMe elements' 16-bit output is a buffer of its own (2 B each)."""
-    n = n_params(model)
-    # host bytes per optimizer element: master, two moments and the gradient (two gradients and a
-    # 16-bit output with the delayed update; no gradient kept between steps with step_in_backward)
-    per_host = 22 if delayed else 12 if step_in_backward else 16
-    if budget_gib is None:
-        left = 2 * n if weights_in_ram else 0
-    else:
-        left = max(0, int((budget_gib - allowance_gib(model)) * GiB))
-        if step_in_backward:  # gradients held until stepped: HELD_PARTS + 1 of the largest unit
-            left = max(0, left - 3 * 4 * VOCAB * MODELS[model][1])
-    if weights_in_ram or 2 * n <= left:
-        param = {"device": "cpu", "pin_memory": False}
-        left -= 2 * n
-    else:  # the read-ahead buffers first (and the shard a gather reads now), then whole shards
-        left = max(0, left - (ZK_PARAM_BUFFERS + 1) * 2 * VOCAB * MODELS[model][1])
-        param = {"max_in_cpu": left // 2, "buffer_count": ZK_PARAM_BUFFERS}
-        left = 0
-    if delayed:  # the NVMe elements' 16-bit output: at most every element's
-        left -= 2 * n
-    return {"offload_param": param, "offload_optimizer": {"max_in_cpu": max(0, left) // per_host}}
-
-
 def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False,
               delayed: bool = False, clipping: float = 1.0, accumulation: int = 1,
               step_in_backward: bool = False, sub_group: int = ZK_SUB_GROUP) -> dict:
+    """zerokit's config: DeepSpeed's, with zerokit's stream settings. With a budget: memory.host
+    and the offload devices "auto", every placement key left to the planner; without one,
+    everything on NVMe (weights_in_ram: the weights in host memory), nothing kept in RAM."""
     cfg = ds_config(swap, model, clipping, accumulation)
     zero = cfg["zero_optimization"]
-    step_in_backward = (step_in_backward or budget_gib is not None) and not delayed
-    keys = budget_keys(model, budget_gib, weights_in_ram, delayed, step_in_backward)
     zero["sub_group_size"] = sub_group
     zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
-    zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True, **keys["offload_optimizer"])
+    off, param = zero["offload_optimizer"], zero["offload_param"]
+    off.update(pipeline_read=True, pipeline_write=True)
     if delayed:  # ZeRO-Offload's one-step delayed update, after one normal step
-        zero["offload_optimizer"]["delayed_update"] = {"enabled": True, "warmup_steps": 1}
-    zero["offload_optimizer"]["step_in_backward"] = step_in_backward
-    if keys["offload_param"].get("device") == "cpu":
-        zero["offload_param"] = keys["offload_param"]
+        off["delayed_update"] = {"enabled": True, "warmup_steps": 1}
+    if budget_gib is not None:
+        cfg["memory"] = {"host": int(budget_gib * GiB)}
+        for section in (off, param):
+            for key in ("buffer_count", "buffer_size", "max_in_cpu"):
+                section.pop(key, None)
+            section["device"] = "auto"
+        return cfg
+    off.update(max_in_cpu=0, step_in_backward=step_in_backward and not delayed)
+    if weights_in_ram:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     else:
-        zero["offload_param"].update(keys["offload_param"])
+        param.update(max_in_cpu=0, buffer_count=ZK_PARAM_BUFFERS)
     return cfg
 
 
@@ -269,6 +245,7 @@ def _build(lib, cfg: dict, model: str):
 
     torch.manual_seed(1234)
     remote = cfg["zero_optimization"]["offload_param"]["device"]
+    remote = "nvme" if remote == "auto" else remote  # built on NVMe, placed by initialize's plan
     # bf16 shards while building, on both sides (DeepSpeed's default with bf16 on; zerokit's
     # default keeps the fp32 values the model builds, 4 bytes per parameter until initialize)
     with lib.zero.Init(config_dict_or_path=cfg, remote_device=remote, dtype=torch.bfloat16):

@@ -34,12 +34,13 @@ PRECISIONS = ("fp16", "bf16")
 ACCUMULATION = (1, 3)
 
 
-def _config(case, path, step_in_backward):
+def _config(case, path, step_in_backward, speculation="always"):
     stage, placement, clip, precision, gas = case
     zero = {"stage": stage, "reduce_bucket_size": 2000, "sub_group_size": 1000}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0)
-    off = {"device": "nvme" if placement == "nvme" else "cpu", "step_in_backward": step_in_backward}
+    off = {"device": "nvme" if placement == "nvme" else "cpu", "step_in_backward": step_in_backward,
+           "speculation": speculation}
     if placement == "nvme":
         off.update(nvme_path=path, buffer_count=3, pipeline_read=True, pipeline_write=True)
     if placement == "twin":
@@ -90,13 +91,14 @@ def _state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(rank, world, case, path, step_in_backward):
+def _run(rank, world, case, path, step_in_backward, speculation="always"):
     """One engine over STEPS steps, the loss made non-finite at one micro-step of BAD_STEP."""
     import zerokit
 
     gas = case[-1]
     os.makedirs(path, exist_ok=True)
-    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=_config(case, path, step_in_backward))
+    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=_config(case, path, step_in_backward,
+                                                                                 speculation))
     states = []
     for i, batch in enumerate(global_batches(STEPS, MICRO * world * gas)):
         for micro in range(gas):
@@ -114,11 +116,12 @@ def _run(rank, world, case, path, step_in_backward):
     return out
 
 
-def _grid(rank, world, cases, path):
+def _grid(rank, world, cases, path, speculation="always"):
     """Each case both ways in this world; returns per case the mismatches and what to check."""
     results = []
     for n, case in enumerate(cases):
-        runs = [_run(rank, world, case, os.path.join(path, f"{n}-{sib}"), sib) for sib in (True, False)]
+        runs = [_run(rank, world, case, os.path.join(path, f"{n}-{sib}"), sib, speculation)
+                for sib in (True, False)]
         sib, base = runs
         bad = []
         for step, (a, b) in enumerate(zip(sib["states"], base["states"])):
@@ -148,7 +151,21 @@ def _reference(precision, clip, gas, world):
     return _REFERENCE[key]
 
 
-def _check(per_rank, world):
+def _always_counts(clip):
+    """speculation 'always': every applied step speculated; the bad step's update rolled back."""
+    applied = STEPS - 1
+    return {"committed": 0 if clip == ALWAYS else applied, "redone": applied if clip == ALWAYS else 0,
+            "skipped": 1, "held_back": 0}
+
+
+def _adaptive_counts(clip):
+    """speculation 'adaptive': after step 0's redo (clipping applied) no step speculates."""
+    if clip == ALWAYS:
+        return {"committed": 0, "redone": 1, "skipped": 0, "held_back": STEPS - 1}
+    return _always_counts(clip)
+
+
+def _check(per_rank, world, want_counts=_always_counts):
     results = per_rank[0]
     for other in per_rank[1:]:  # every rank's own mismatches
         for r, o in zip(results, other):
@@ -163,9 +180,7 @@ def _check(per_rank, world):
             continue
         assert r["speculating"] == (True, False), (case, r["speculating"])
         assert r["skipped"] == 1, (case, r["skipped"])
-        applied = STEPS - 1
-        want = {"committed": 0 if clip == ALWAYS else applied, "redone": applied if clip == ALWAYS else 0,
-                "skipped": 1}
+        want = want_counts(clip)
         got = {k: r["counts"][k] for k in want}
         if got != want:
             failures.append(f"{case}: counts {got}, expected {want}")
@@ -196,3 +211,10 @@ def test_speculative_step_fast_subset(tmp_path):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_speculative_step_parity_grid(tmp_path, stage):
     _check(run_world(_grid, 2, _cases(stage), str(tmp_path), timeout=1800), 2)
+
+
+def test_adaptive_speculation_holds_back_after_a_clipped_step(tmp_path):
+    """The default ('adaptive'): once a step's clipping applied, the next steps step in step()
+    (no speculation, no redo) until clipping leaves a step alone; bit-equal all the same."""
+    cases = [(2, "cpu", ALWAYS, "bf16", 1), (3, "nvme", ALWAYS, "fp16", 3), (1, "twin", NEVER, "bf16", 1)]
+    _check(run_world(_grid, 2, cases, str(tmp_path), "adaptive", timeout=600), 2, _adaptive_counts)

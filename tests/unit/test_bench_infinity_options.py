@@ -22,14 +22,36 @@ def test_defaults_are_deepspeeds_and_the_clip_row_always_clips():
     args = B.parse_args([])
     assert args.clipping == 1.0 and args.accumulation == 1
     assert B.ROW_CLIPPING["zk-inf-ds-clip"] == 1e-3
-    # the budgeted rows keep their keys; zk-inf keeps gradients in files, zk-inf-sib steps in backward
-    assert B._steps_in_backward("zk-inf-ds-clip") and B._steps_in_backward("zk-inf-sib")
-    assert not B._steps_in_backward("zk-inf")
+    # zk-inf keeps gradients in files, zk-inf-sib steps in backward; the budgeted rows leave it
+    # to the planner
+    assert B._steps_in_backward("zk-inf-sib")
+    assert not B._steps_in_backward("zk-inf") and not B._steps_in_backward("zk-inf-ds-clip")
     zk = B.zk_config("/swap", "1b", None)
     assert zk["zero_optimization"]["offload_optimizer"]["step_in_backward"] is False
     sib = B.zk_config("/swap", "1b", None, step_in_backward=True)
     assert sib["zero_optimization"]["offload_optimizer"]["step_in_backward"] is True
     assert sib["zero_optimization"]["offload_optimizer"]["max_in_cpu"] == 0
+    assert "memory" not in zk
+
+
+# The keys that say where state lives: a budgeted row sets none of them (issue #28).
+PLACEMENT_KEYS = {"max_in_cpu", "buffer_count", "buffer_size", "ratio", "step_in_backward"}
+
+
+@pytest.mark.parametrize("row", ["zk-inf-ds", "zk-inf-half", "zk-inf-8g", "zk-inf-ds-dpu", "zk-inf-ds-clip"])
+def test_budgeted_rows_pass_a_host_budget_and_nothing_else_placement_wise(row):
+    assert B._budgeted(row)
+    cfg = B.zk_config("/swap", "1b", 7.5, delayed=row.endswith("-dpu"))
+    assert cfg["memory"] == {"host": int(7.5 * 2**30)}
+    zero = cfg["zero_optimization"]
+    for section in ("offload_optimizer", "offload_param"):
+        assert zero[section]["device"] == "auto" and zero[section]["nvme_path"] == "/swap"
+        assert not PLACEMENT_KEYS & set(zero[section]), (section, zero[section])
+    assert not hasattr(B, "budget_keys") and not hasattr(B, "allowance_gib")
+    # the config is one zerokit accepts
+    from zerokit.config import load_config
+
+    load_config(cfg)
 
 
 @pytest.mark.parametrize("argv,word", [(["--clipping", "-1"], "--clipping"),

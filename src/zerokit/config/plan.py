@@ -121,7 +121,9 @@ def _speculation_lines(engine: "Engine", placement) -> list[str]:
             f"host parts' master + state + 16-bit output), "
             f"{mib(engine.ledger.bytes(tier=TierName.NVME, kind='restores'))} nvme (a second file "
             f"slot of master + state); gradients held in host memory until the step decides "
-            f"{mib(held)}"]
+            f"{mib(held)}; speculation "
+            f"{engine.config.zero_optimization.offload_optimizer.speculation} (adaptive: not "
+            f"after a step whose clipping applied)"]
 
 
 def _nvme_lines(engine: "Engine", total: int) -> list[str]:

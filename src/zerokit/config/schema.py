@@ -193,8 +193,11 @@ class DelayedUpdateConfig(_Section):
 
 
 class OffloadOptimizerConfig(_Section):
-    device: Literal["none", "cpu", "nvme"] = Field(
-        "none", description="Where fp32 master weights, optimizer state and gradient shards live.")
+    device: Literal["none", "cpu", "nvme", "auto"] = Field(
+        "none", description="Where fp32 master weights, optimizer state and gradient shards live. "
+                            "zerokit: 'auto' (or the section left out) with a memory budget: the "
+                            "placement planner chooses it, with ratio, max_in_cpu, buffer_count "
+                            "and step_in_backward where those are not given (engine/planner.py).")
     pin_memory: bool = Field(False, description="Page-locked host buffers (faster copies on CUDA).")
     ratio: float | Literal["auto"] = Field(
         1.0, description="Twin-Flow: fraction of each rank's optimizer shard stepped on the host; "
@@ -233,6 +236,13 @@ class OffloadOptimizerConfig(_Section):
                             "optimizers without delayed_update, off where the host memory "
                             "cannot hold the restores and the held gradients (initialize logs "
                             "it); true: on (refused with delayed_update); false: off.")
+    speculation: Literal["adaptive", "always"] = Field(
+        "adaptive", description="zerokit, with step_in_backward: 'adaptive' (the default): a step "
+                                "speculates unless the last applied step's gradient clipping "
+                                "applied (a redo would likely follow); such a step's parts step "
+                                "in step() from the held gradients, and speculation resumes after "
+                                "a step that clipping left alone. 'always': every step speculates "
+                                "(each step whose clipping applies is redone).")
 
     @model_validator(mode="after")
     def _valid(self) -> "OffloadOptimizerConfig":
@@ -245,10 +255,13 @@ class OffloadOptimizerConfig(_Section):
 
 
 class OffloadParamConfig(_Section):
-    device: Literal["none", "cpu", "nvme"] = Field(
+    device: Literal["none", "cpu", "nvme", "auto"] = Field(
         "none", description="Stage 3: where each rank's persistent weight shard lives; gathering "
                             "copies it host -> device, then all-gathers (prefetched ahead of use). "
-                            "'nvme': in a file, read into a host buffer first (tiers/nvme_shard.py).")
+                            "'nvme': in a file, read into a host buffer first (tiers/nvme_shard.py). "
+                            "zerokit: 'auto' (or the section left out) with a memory budget: the "
+                            "placement planner chooses it, with max_in_cpu and buffer_count where "
+                            "those are not given (engine/planner.py).")
     pin_memory: bool = Field(False, description="Page-locked weight shards (faster copies on CUDA).")
     nvme_path: str | None = Field(
         None, description="device 'nvme': the directory the weight shard files go in (a "
@@ -440,8 +453,14 @@ def parse_size(value: "int | str", key: str) -> int:
 
 class MemoryConfig(_Section):
     """zerokit: memory budgets per tier, enforced by the ledger at every allocation (tiers/ledger.py
-    [Note: budgets]). Placement is not chosen from them yet: the offload keys still say where
-    state lives."""
+    [Note: budgets]), and the input of the placement planner (engine/planner.py, [Note: the
+    placement planner]): with a budget given, offload_optimizer.device / offload_param.device
+    'auto' (or their sections left out) and the max_in_cpu, buffer_count, ratio and
+    step_in_backward keys left out are chosen at initialize: the fastest placement whose
+    predicted bytes per tier fit the budgets (host: with the process's own memory and
+    rss_margin; on a CPU-only machine the device tier's bytes too, the same RAM). Keys given by
+    hand stay as given. A budget no placement fits is refused at initialize with the bytes per
+    tier and kind and the smallest budget that would work."""
 
     host: Int | str | None = Field(
         None, description="zerokit: this rank's host-memory budget, bytes or a size ('20GiB'), or "

@@ -16,14 +16,15 @@ from zerokit.comm.collectives import Comm
 from zerokit.comm.devices import model_device_of
 from zerokit.units.leaf import leaf_parameter_ids
 from zerokit.units.ds_attributes import attach_ds_views
-from zerokit.policy.layout import UnitLayout, plan_layout
+from zerokit.policy.layout import UnitLayout
 from zerokit.units.unit import Unit
 from zerokit.units.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
 from zerokit.parts.executors import DeviceExecutor, HostExecutor
-from zerokit.engine import bf16_state, host_budget, nvme_plan
-from zerokit.parts.nvme_executor import NvmeExecutor, StreamSettings, buffer_set_bytes
+from zerokit.engine import bf16_state, host_budget, nvme_plan, planner
+from zerokit.parts.nvme_executor import NvmeExecutor
+from zerokit.engine.byte_plan import plan_layouts, planned_host_need, stream_settings
 from zerokit.optim.recipe import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.lr_schedules import build_scheduler
@@ -54,7 +55,6 @@ def initialize(model: nn.Module, optimizer: Any = None,
     configure_logging(comm.rank)
     batch = cfg.resolve_batch(comm.world_size)
     policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
-    placement = PlacementPolicy.from_config(cfg.zero_optimization)
     recipe = recipe_from(model, optimizer, model_parameters, cfg.optimizer)
 
     dtype = compute_dtype(cfg)
@@ -68,6 +68,14 @@ def initialize(model: nn.Module, optimizer: Any = None,
     for tier, (nbytes, source) in budgets.items():
         ledger.set_budget(tier, nbytes, source)
     groups = group_parameters(model, select_modules(model, wrap), recipe.group_of)
+    placed = None
+    if planner.asked(cfg, budgets):  # budgets in, placement out: the chosen keys fill the config
+        placed = planner.plan_at_initialize(planner.PlanInputs(
+            cfg, groups, comm.world_size, comm.rank, comm.device.type == "cuda", policy, dtype,
+            reduce_dtype(cfg), batch[2], recipe.kind, optimizer, budgets,
+            rss_margin=parse_size(cfg.memory.rss_margin, "memory.rss_margin")), model, comm)
+        cfg = placed.config
+    placement = PlacementPolicy.from_config(cfg.zero_optimization)
     plan = functools.partial(plan_layouts, groups, comm.world_size, comm.rank,
                              comm.device.type == "cuda", policy, dtype, reduce_dtype(cfg), batch[2])
     # bf16 master / state (their bytes are what "auto" weighs, and everything below counts)
@@ -134,6 +142,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
                     executors)
     engine._steps_in_backward = placement.step_in_backward  # the key as resolved above
     engine.config = config_dict(config if config is not None else config_params, cfg)
+    if placed is not None:
+        placed.shown_in(engine.config)
     if policy.shard_weights:
         attach_ds_views(model, units)  # see [Note: ds_* views]
     engine.placement = placement
@@ -160,56 +170,6 @@ def _configure_activation_checkpointing(cfg: ZeroKitConfig, ledger: Ledger) -> N
     activations.use_ledger(ledger)
     if "activation_checkpointing" in cfg.model_fields_set:
         activations.configure(None, deepspeed_config=cfg)
-
-
-def plan_layouts(groups: list, world: int, rank: int, cuda: bool, policy: PartitionPolicy,
-                 dtype: torch.dtype, reduce: torch.dtype, accumulation: int,
-                 placement: PlacementPolicy) -> list[UnitLayout]:
-    """Every unit's buffer records under `placement` (policy/layout.py; pure, allocates nothing):
-    the engine's plan and the estimator's (zerokit.memory) are this one function."""
-    layouts, ram_left = [], placement.ram_numel  # the host budget, spent in unit order
-    param_ram_left = placement.param_ram_numel  # offload_param.max_in_cpu, the same way
-    for _name, _module, _group, trainable, params in groups:
-        layouts.append(plan_layout(sum(p.numel() for _, p in params), world, rank,
-                                   policy, placement, dtype, reduce, trainable=trainable,
-                                   grad_accum_steps=accumulation, cuda=cuda,
-                                   ram_left=ram_left, param_ram_left=param_ram_left))
-        ram_left -= layouts[-1].host_numel if placement.nvme else 0
-        if placement.params_on_nvme and layouts[-1].record("shard").tier is TierName.HOST:
-            param_ram_left -= layouts[-1].shard_numel
-    return layouts
-
-
-def _stream_settings(cfg, placement: PlacementPolicy) -> StreamSettings:
-    off = cfg.zero_optimization.offload_optimizer
-    return StreamSettings(cfg.zero_optimization.sub_group_size, off.buffer_count,
-                          off.pipeline_read, off.pipeline_write,
-                          gradients_in_files=not placement.step_in_backward,
-                          weights_in_files=cfg.zero_optimization.offload_param.device == "nvme")
-
-
-def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout],
-                      kind: str | None) -> host_budget.HostNeed:
-    """Host bytes this rank allocates under `placement`: the layouts' host records and the host
-    parts' optimizer state (host_budget.host_need), the held gradients' pool, the NVMe stream's
-    buffer sets and the weight shards read ahead from NVMe. Pure: the start-up check and the
-    estimator (zerokit.memory) read the same figure."""
-    need = host_budget.host_need(layouts, kind, placement.state_dtype)
-    if placement.step_in_backward:  # gradients held until the step decides, and the restores
-        held, need.restores, _ = host_budget.speculation_need(layouts, kind, placement.master_dtype,
-                                                              placement.state_dtype)
-        need.grads += held
-    largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
-    if largest:
-        need.buffers += buffer_set_bytes(_stream_settings(cfg, placement), kind, largest,
-                                         placement.master_dtype, placement.state_dtype)
-    shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
-    if shards:  # the shards read ahead (buffer_count) and the one a gather reads now: at most
-        # the largest buffer_count + 1 of them (a larger shard than buffer_size is not read ahead)
-        element = torch.empty(0, dtype=shards[0].dtype).element_size()
-        sizes = sorted((min(r.numel, placement.param_buffer_size) for r in shards), reverse=True)
-        need.buffers += sum(sizes[:placement.param_buffer_count + 1]) * element
-    return need
 
 
 def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None
@@ -249,7 +209,7 @@ def _same_disk(a: str, b: str) -> bool:
 
 def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledger: Ledger,
                    placement: PlacementPolicy) -> NvmeExecutor:
-    executor = NvmeExecutor(units, nvme, _stream_settings(cfg, placement), ledger, placement)
+    executor = NvmeExecutor(units, nvme, stream_settings(cfg, placement), ledger, placement)
     executor.bind(torch_optimizer)  # fails here, naming the optimizer, if it has no host kernel
     return executor
 

@@ -23,6 +23,7 @@ from zerokit.units.lease import ReadLease
 from zerokit.engine.checkpoint_state import CheckpointMethods
 from zerokit.engine.attachment import Attachment, weakly
 from zerokit.engine.deepspeed_api import DeepSpeedEngineAPI
+from zerokit.engine.byte_plan import max_pending_reduce_numel
 from zerokit.parts.executors import HostExecutor
 from zerokit.parts.speculation import SpeculationCounts, settle
 from zerokit.states import EngineFailedError, TrainingState, move
@@ -106,13 +107,15 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         # step] in parts/speculation.py
         self._steps_in_backward = False
         self._step_units_now = False  # this backward is the boundary's: landed units step
+        # offload_optimizer.speculation 'adaptive': the next boundary speculates unless the last
+        # applied step was clipped (its redo would cost a second update for nothing)
+        self._speculate_next = True
         self.speculation = SpeculationCounts()  # committed / redone / skipped, the redo's time
         self._pending_bytes = 0
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
         # Gradients of at most two buckets in flight: enough to overlap, bounded in memory.
         # overlap_comm=false (DeepSpeed's meaning): wait for each reduction as soon as it starts.
-        self._max_pending_bytes = (2 * config.zero_optimization.reduce_bucket_size * 4
-                                   if config.zero_optimization.overlap_comm else 0)
+        self._max_pending_bytes = 4 * max_pending_reduce_numel(config.zero_optimization)
         self._hooks = self._attachment.hooks
         self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(weakly(self._on_grad), u, i))
                         for u in units if u.trainable for i, s in enumerate(u.slots)
@@ -225,7 +228,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         # gradients accumulate locally and are reduced once, on the boundary's backward.
         boundary = self.is_gradient_accumulation_boundary()
         self._reduce_now = self.policy.shard_gradients or boundary
-        self._step_units_now = self._steps_in_backward and boundary
+        self._step_units_now = self._steps_in_backward and boundary and self._speculate_next
         self._losses.note(loss)
         t0 = time.perf_counter()
         self.wait_for_weights()  # units whose modules forward did not call
@@ -360,6 +363,8 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
             executor.before_step()
         coef, overflow = self._gradient_coef(trainable)
         redo = self._settle_speculation(coef, overflow)
+        if self._steps_in_backward and not self._step_units_now:
+            self.speculation.held_back += 1
         if overflow:  # static or dynamic loss scale alike, as DeepSpeed
             self.skipped_steps += 1
             for executor in self.executors:
@@ -394,10 +399,14 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
                 self._settle_speculation(coef, overflow=True)  # "stop" raises next: as before it
                 handle_nonfinite(self, trainable, scalars)  # reports; raises for "stop"
             return coef, True
+        clipped = False
         if clip > 0:
             clip_coef = clip / (norm / scale + 1e-6)
             if clip_coef < 1.0:
                 coef *= clip_coef
+                clipped = True
+        if self.config.zero_optimization.offload_optimizer.speculation == "adaptive":
+            self._speculate_next = not clipped
         return coef, False
 
     def _settle_speculation(self, coef: float, overflow: bool) -> bool:
@@ -480,7 +489,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
             if self._steps_in_backward:
                 c = self.speculation
                 line += (f" speculative: committed={c.committed} redone={c.redone} "
-                         f"skipped={c.skipped} redo_s={c.redo_s:.3f}")
+                         f"skipped={c.skipped} held_back={c.held_back} redo_s={c.redo_s:.3f}")
             if self.config.wall_clock_breakdown:
                 n = self.config.steps_per_print
                 line += " | ms/step: " + ", ".join(f"{k} {v / n * 1e3:.1f}" for k, v in self._timers.items())

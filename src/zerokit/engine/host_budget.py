@@ -54,7 +54,7 @@ def host_need(layouts: list, optimizer_kind: str | None,
     the host parts' optimizer state, allocated at bind; an optimizer of unknown kind is counted
     as Adam (8 bytes per element in fp32, 4 in bf16: bf16.bf16_optimizer_states). Transient
     records (a weight shard's NVMe buffer) are not: only the read-ahead's few exist at once
-    (engine/assemble.py planned_host_need adds them)."""
+    (engine/byte_plan.py planned_host_need adds them)."""
     need = HostNeed()
     per_element = state_bytes_per_element(optimizer_kind, state_dtype)
     for layout in layouts:

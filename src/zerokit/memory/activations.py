@@ -10,7 +10,7 @@ On the meta device torch's attention dispatch always takes the math path, which 
 `scaled_dot_product_attention` to the fused kernel's meta implementation instead, so what is
 counted is what flash / memory-efficient attention saves (q, k, v, output, logsumexp).
 The forward also reports the order in which modules ran: the stage-3 trace the gathered-weights
-peak is simulated on (memory/gathered.py).
+peak is simulated on (engine/gathered_peak.py).
 """
 from __future__ import annotations
 

@@ -3,17 +3,19 @@
 [Note: the estimator's byte rules]
 The estimate is the engine's own plan, run on a model that lives on the meta device:
 - the units are the engine's (units/wrap.py), their buffers the engine's layout records
-  (engine/assemble.py `plan_layouts` -> policy/layout.py `plan_layout`);
-- host bytes are the start-up check's figure (engine/assemble.py `planned_host_need`: the host
-  records, the host parts' optimizer state, the NVMe stream's buffer sets, the shards read
-  ahead, the held gradients' pool);
-- device optimizer state is STATE_BYTES_PER_ELEMENT (config/plan.py) per device-part element,
-  nvme optimizer state the same per nvme-part element (engine/nvme_plan.py's rule), halved with
-  bf16.bf16_optimizer_states; masters and gradients follow the placement's dtypes
-  (engine/bf16_state.py `with_state_dtypes`, as at initialize);
+  (engine/byte_plan.py `plan_layouts` -> policy/layout.py `plan_layout`);
+- the model states per tier and kind are engine/byte_plan.py `planned_bytes`, the rules the
+  start-up checks and the placement planner (engine/planner.py) read too: host bytes are
+  `planned_host_need` (the host records, the host parts' optimizer state, the NVMe stream's
+  buffer sets, the shards read ahead, the held gradients' pool); device optimizer state is
+  STATE_BYTES_PER_ELEMENT (config/plan.py) per device-part element, nvme optimizer state the
+  same per nvme-part element (engine/nvme_plan.py's rule), halved with bf16.bf16_optimizer_states;
+  masters and gradients follow the placement's dtypes (engine/bf16_state.py `with_state_dtypes`,
+  as at initialize);
 - stage 3's gathered weights are the real scheduler's peak over the model's use order
-  (memory/gathered.py), and the reduction's gradient buffers those units/unit.py
-  `launch_reduce` allocates (`_reduce_buffers`: all alive until the end of backward);
+  (engine/gathered_peak.py), and the reduction's gradient buffers those units/unit.py
+  `launch_reduce` allocates (byte_plan.py `reduce_buffer_bytes`: as many alive as the engine
+  lets be in flight);
 - activations are the bytes one micro-batch's forward saves for backward, measured on the meta
   device (memory/activations.py). The ledger counts activations only when zerokit's activation
   checkpointing keeps them, so the per-tier comparison with a run's ledger leaves them out.
@@ -27,22 +29,17 @@ from typing import Any
 import torch
 
 from zerokit.config import load_config, resolve_auto
-from zerokit.engine.assemble import plan_layouts, planned_host_need
+from zerokit.engine.byte_plan import plan_layouts, planned_bytes, reduce_buffer_bytes
+from zerokit.engine.gathered_peak import gathered_peak_numel
 from zerokit.engine.bf16_state import with_state_dtypes
-from zerokit.engine.host_budget import speculation_need, state_bytes_per_element
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.memory.activations import measure_forward, token_batch
-from zerokit.memory.gathered import gathered_peak_numel
 from zerokit.memory.sources import source_of
 from zerokit.optim.recipe import recipe_from
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tier_names import TierName
-from zerokit.tiers.ledger import KINDS, TIERS
 from zerokit.units.wrap import group_parameters, select_modules
 
-# Host bytes by ledger kind: engine/host_budget.py HostNeed's fields.
-_HOST_FIELDS = {"weights": "weights", "master": "master", "grads": "grads",
-                "optimizer_state": "state", "buffers": "buffers", "restores": "restores"}
 _DEFAULT_OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4}}
 
 
@@ -101,22 +98,8 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
     layouts = plan_layouts(groups, world_size, 0, cuda, policy, compute, reduce_dtype(cfg),
                            accumulation, placement)
     result = Estimate(_label(zero), world_size, sum(lay.numel for lay in layouts),
-                      {t: dict.fromkeys(KINDS, 0) for t in TIERS})
-    state = state_bytes_per_element(recipe.kind, placement.state_dtype)
-    device, host, nvme = (result.bytes[t] for t in (TierName.DEVICE, TierName.HOST, TierName.NVME))
-    for lay in layouts:
-        for kind, n in lay.bytes(TierName.DEVICE, transient=False).items():
-            device[kind] += n
-        for kind, n in lay.bytes(TierName.NVME).items():
-            nvme[kind] += n
-        device["optimizer_state"] += state * sum(p.numel for p in lay.parts if p.tier is TierName.DEVICE)
-        nvme["optimizer_state"] += state * lay.nvme_numel
-    need = planned_host_need(cfg, placement, layouts, recipe.kind)
-    if placement.step_in_backward:  # the nvme parts' second file slot (parts/speculation.py)
-        nvme["restores"] += speculation_need(layouts, recipe.kind, placement.master_dtype,
-                                             placement.state_dtype)[2]
-    for kind, name in _HOST_FIELDS.items():
-        host[kind] += getattr(need, name)
+                      planned_bytes(cfg, placement, layouts, recipe.kind))
+    device = result.bytes[TierName.DEVICE]
 
     modules = [module for _, module, *_ in groups]
     saved, order = (_activations(src, inputs, micro, seq_len, compute, modules, result)
@@ -127,26 +110,8 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
         units = [(name, module, lay.numel, lay.padded_numel)
                  for (name, module, *_), lay in zip(groups, layouts)]
         device["weights"] += element * gathered_peak_numel(units, order or modules, src.model, zero)
-    device["buffers"] += _reduce_buffers(layouts, policy, compute, reduce_dtype(cfg))
+    device["buffers"] += reduce_buffer_bytes(layouts, policy, compute, reduce_dtype(cfg), zero)
     return result
-
-
-def _reduce_buffers(layouts: list, policy: PartitionPolicy, compute: torch.dtype,
-                    reduce: torch.dtype) -> int:
-    """The gradient buffers units/unit.py `launch_reduce` allocates for its collective: stage
-    2-3 copy every micro-step's gradients into one; below stage 2 the gradient (or its fp32
-    sum) is reduced in place unless its dtype is not the reduce dtype. Each unit launches its
-    reduction as its gradients complete and they are waited for at the end of backward, so all
-    of them are alive at once."""
-    total = 0
-    element = torch.empty(0, dtype=reduce).element_size()
-    for lay in layouts:
-        if not lay.parts:  # frozen: no gradient
-            continue
-        local = torch.float32 if lay.has("grad_acc") else compute
-        if policy.shard_gradients or local != reduce:
-            total += lay.padded_numel * element
-    return total
 
 
 def _activations(src, inputs, micro: int, seq_len: int | None, compute: torch.dtype, modules,

@@ -39,16 +39,19 @@ from zerokit.tier_names import TierName
 @dataclasses.dataclass
 class SpeculationCounts:
     """Steps whose speculative update was committed, redone (clipping applied) or skipped (the
-    step was: overflow or non-finite), and the seconds the redos took (engine.speculation)."""
+    step was: overflow or non-finite), the seconds the redos took, and the steps that did not
+    speculate because the step before them was clipped (held back: offload_optimizer.speculation
+    'adaptive'; they step in step()) (engine.speculation)."""
 
     committed: int = 0
     redone: int = 0
     skipped: int = 0
     redo_s: float = 0.0
+    held_back: int = 0
 
     def line(self) -> str:
         return (f"speculative steps: committed {self.committed}, redone {self.redone} "
-                f"({self.redo_s:.3f} s), skipped {self.skipped}")
+                f"({self.redo_s:.3f} s), skipped {self.skipped}, held back {self.held_back}")
 
 
 def settle(executors: list, coef: float, overflow: bool, counts: SpeculationCounts) -> bool:

@@ -83,6 +83,11 @@ class PlacementPolicy:
     @classmethod
     def from_config(cls, zero_cfg) -> "PlacementPolicy":
         off, par = zero_cfg.offload_optimizer, zero_cfg.offload_param
+        for key, section in (("offload_optimizer", off), ("offload_param", par)):
+            if section.device == "auto":
+                raise ValueError(f"zero_optimization.{key}.device 'auto' is chosen by the placement "
+                                 f"planner at initialize (engine/planner.py, from the memory "
+                                 f"budgets); give 'none', 'cpu' or 'nvme' here")
         params = {"params_on_host": par.device == "cpu", "param_pin_memory": par.pin_memory,
                   "params_on_nvme": par.device == "nvme", "param_ram_numel": par.max_in_cpu,
                   "param_buffer_count": par.buffer_count, "param_buffer_size": par.buffer_size}

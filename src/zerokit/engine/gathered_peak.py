@@ -1,4 +1,5 @@
-"""Stage 3's peak of gathered weights, from the scheduler itself.
+"""Stage 3's peak of gathered weights, from the scheduler itself (the estimator and the placement
+planner read it).
 
 How many units are gathered at once depends on the prefetch budget, the live-parameter cap, the
 reuse distance, the persistence threshold and the order units are used in: the rules of

@@ -1,0 +1,134 @@
+"""The byte rules: what a placement allocates per tier and ledger kind on this rank, before
+anything is allocated.
+
+One home for the rules the start-up checks, the estimator (zerokit.memory) and the placement
+planner (engine/planner.py) all read ([Note: the estimator's byte rules] in memory/estimate.py):
+- `plan_layouts`: every unit's buffer records (policy/layout.py `plan_layout`), the max_in_cpu
+  budgets spent in unit order;
+- `planned_host_need`: the host bytes (the records, the host parts' optimizer state, the held
+  gradients' pool, the NVMe stream's buffer sets, the weight shards read ahead);
+- `planned_bytes`: the model states per tier and kind (device and nvme records, the optimizer
+  state of each part, the second file slot of a speculative step, and the host need above);
+- `reduce_buffer_bytes`: the gradient buffers the reductions allocate, alive until the end of
+  backward (the same under every placement).
+Pure functions: nothing here allocates.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerokit.engine import host_budget
+from zerokit.parts.nvme_executor import StreamSettings, buffer_set_bytes
+from zerokit.policy import PartitionPolicy, PlacementPolicy
+from zerokit.policy.layout import UnitLayout, plan_layout
+from zerokit.tier_names import TierName
+from zerokit.tiers.ledger import KINDS, TIERS
+
+# Host bytes by ledger kind: engine/host_budget.py HostNeed's fields.
+HOST_FIELDS = {"weights": "weights", "master": "master", "grads": "grads",
+               "optimizer_state": "state", "buffers": "buffers", "restores": "restores"}
+
+
+def plan_layouts(groups: list, world: int, rank: int, cuda: bool, policy: PartitionPolicy,
+                 dtype: torch.dtype, reduce: torch.dtype, accumulation: int,
+                 placement: PlacementPolicy) -> list[UnitLayout]:
+    """Every unit's buffer records under `placement` (policy/layout.py; pure, allocates nothing):
+    the engine's plan, the estimator's (zerokit.memory) and the planner's are this one function."""
+    layouts, ram_left = [], placement.ram_numel  # the host budget, spent in unit order
+    param_ram_left = placement.param_ram_numel  # offload_param.max_in_cpu, the same way
+    for _name, _module, _group, trainable, params in groups:
+        layouts.append(plan_layout(sum(p.numel() for _, p in params), world, rank,
+                                   policy, placement, dtype, reduce, trainable=trainable,
+                                   grad_accum_steps=accumulation, cuda=cuda,
+                                   ram_left=ram_left, param_ram_left=param_ram_left))
+        ram_left -= layouts[-1].host_numel if placement.nvme else 0
+        if placement.params_on_nvme and layouts[-1].record("shard").tier is TierName.HOST:
+            param_ram_left -= layouts[-1].shard_numel
+    return layouts
+
+
+def stream_settings(cfg, placement: PlacementPolicy) -> StreamSettings:
+    off = cfg.zero_optimization.offload_optimizer
+    return StreamSettings(cfg.zero_optimization.sub_group_size, off.buffer_count,
+                          off.pipeline_read, off.pipeline_write,
+                          gradients_in_files=not placement.step_in_backward,
+                          weights_in_files=placement.params_on_nvme)
+
+
+def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout],
+                      kind: str | None) -> host_budget.HostNeed:
+    """Host bytes this rank allocates under `placement`: the layouts' host records and the host
+    parts' optimizer state (host_budget.host_need), the held gradients' pool, the NVMe stream's
+    buffer sets and the weight shards read ahead from NVMe. Pure: the start-up check, the
+    estimator (zerokit.memory) and the planner read the same figure."""
+    need = host_budget.host_need(layouts, kind, placement.state_dtype)
+    if placement.step_in_backward:  # gradients held until the step decides, and the restores
+        held, need.restores, _ = host_budget.speculation_need(layouts, kind, placement.master_dtype,
+                                                              placement.state_dtype)
+        need.grads += held
+    largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
+    if largest:
+        need.buffers += buffer_set_bytes(stream_settings(cfg, placement), kind, largest,
+                                         placement.master_dtype, placement.state_dtype)
+    shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
+    if shards:  # the shards read ahead (buffer_count) and the one a gather reads now: at most
+        # the largest buffer_count + 1 of them (a larger shard than buffer_size is not read ahead)
+        element = torch.empty(0, dtype=shards[0].dtype).element_size()
+        sizes = sorted((min(r.numel, placement.param_buffer_size) for r in shards), reverse=True)
+        need.buffers += sum(sizes[:placement.param_buffer_count + 1]) * element
+    return need
+
+
+def planned_bytes(cfg, placement: PlacementPolicy, layouts: list[UnitLayout],
+                  kind: str | None) -> dict[TierName, dict[str, int]]:
+    """The model states' bytes on this rank per tier and ledger kind under `placement`: the
+    layouts' persistent device and nvme records, the optimizer state of the device and nvme
+    parts (STATE_BYTES_PER_ELEMENT per element, halved with bf16.bf16_optimizer_states; an unknown
+    optimizer counted as Adam), the nvme
+    parts' second file slot when stepping in backward, and `planned_host_need` on the host.
+    Transients (stage 3's gathered weights, the reductions' buffers, activations) are not in it."""
+    out = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
+    state = host_budget.state_bytes_per_element(kind, placement.state_dtype)
+    device, host, nvme = (out[t] for t in (TierName.DEVICE, TierName.HOST, TierName.NVME))
+    for lay in layouts:
+        for k, n in lay.bytes(TierName.DEVICE, transient=False).items():
+            device[k] += n
+        for k, n in lay.bytes(TierName.NVME).items():
+            nvme[k] += n
+        device["optimizer_state"] += state * sum(p.numel for p in lay.parts if p.tier is TierName.DEVICE)
+        nvme["optimizer_state"] += state * lay.nvme_numel
+    if placement.step_in_backward:  # the nvme parts' second file slot (parts/speculation.py)
+        nvme["restores"] += host_budget.speculation_need(layouts, kind, placement.master_dtype,
+                                                         placement.state_dtype)[2]
+    need = planned_host_need(cfg, placement, layouts, kind)
+    for k, name in HOST_FIELDS.items():
+        host[k] += getattr(need, name)
+    return out
+
+
+def max_pending_reduce_numel(zero_cfg) -> int:
+    """Elements of gradient reductions the engine lets be in flight before it waits for the
+    oldest (Engine._drain): two buckets, enough to overlap and bounded in memory; none with
+    overlap_comm false (DeepSpeed's meaning: wait for each reduction as soon as it starts)."""
+    return 2 * zero_cfg.reduce_bucket_size if zero_cfg.overlap_comm else 0
+
+
+def reduce_buffer_bytes(layouts: list[UnitLayout], policy: PartitionPolicy, compute: torch.dtype,
+                        reduce: torch.dtype, zero_cfg) -> int:
+    """The gradient buffers units/unit.py `launch_reduce` allocates for its collective: stage
+    2-3 copy every micro-step's gradients into one; below stage 2 the gradient (or its fp32
+    sum) is reduced in place unless its dtype is not the reduce dtype. Each unit launches its
+    reduction as its gradients complete; the engine waits for the oldest while more than
+    `max_pending_reduce_numel` elements are in flight, so at most that many plus the newest
+    unit's are alive at once (all of them, where they add up to less)."""
+    sizes = []
+    for lay in layouts:
+        if not lay.parts:  # frozen: no gradient
+            continue
+        local = torch.float32 if lay.has("grad_acc") else compute
+        if policy.shard_gradients or local != reduce:
+            sizes.append(lay.padded_numel)
+    if not sizes:
+        return 0
+    alive = min(sum(sizes), max_pending_reduce_numel(zero_cfg) + max(sizes))
+    return alive * torch.empty(0, dtype=reduce).element_size()

@@ -1,0 +1,596 @@
+"""Budgets in, placement out: the placement planner.
+
+[Note: the placement planner]
+With a memory budget given (`memory.host` / `device` / `nvme`) and a placement key left to it
+(`offload_optimizer.device` / `offload_param.device` "auto" or their sections left out; with a
+device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the placement:
+1. candidates: every combination of the keys left free (hand-set keys are kept as given):
+   stage-3 weights on device / cpu / nvme, the optimizer on device / cpu / nvme (nvme only where
+   an nvme_path is given), the Twin-Flow ratio (1, and on a CUDA device also the ratio at which
+   host and device Adam finish together, engine/auto_ratio.py `balance`), step_in_backward on
+   and off, offload_optimizer.buffer_count 4 and 3, offload_param.buffer_count 5 and 2. For each,
+   offload_param.max_in_cpu takes five points between none and the most whole shards RAM holds,
+   and offload_optimizer.max_in_cpu the most elements the host budget then holds (bisection).
+2. bytes: each candidate's model states per tier and kind are engine/byte_plan.py's rules on the
+   engine's own units (`plan_layouts`, `planned_bytes`), never a second copy. The checks:
+   host: the host tier's bytes + the process's own (RSS at initialize less the model's tensors,
+   `process_bytes`) + memory.rss_margin (what no rule models: activations, allocator slack), and,
+   where the compute device is this host's CPU, the device tier's bytes and the step's
+   transients (stage 3's gathered peak, the reductions' buffers), which live in the same RAM;
+   against memory.host, or without it the memory available (as the start-up check);
+   device: the device tier's bytes + the transients, against memory.device; nvme: the nvme
+   tier's bytes, against memory.nvme. A candidate over any is dropped.
+3. time: the step as bytes moved over the measured bandwidths plus the optimizer's compute
+   (engine/bandwidths.py): device-part elements / device Adam rate, host and nvme elements /
+   host Adam rate, host copies (each host or nvme weight shard copied in 2 gathers per micro-
+   step; each offloaded element's gradient in and new weight out) / host copy rate, and disk
+   bytes (the nvme parts' files read and written once, engine/nvme_plan.py; the weight files
+   read per gather and written once) / disk read and write rates. Forward and backward compute
+   is the same for every candidate and left out; overlap is not modelled (the figure is the
+   serial sum), so read-ahead counts show only in bytes: between candidates within 0.5% in
+   time the planner keeps fewer NVMe bytes, then the larger read-ahead, then fewer host bytes.
+4. choice: hot data stays in the fastest tier that fits: if any candidate without NVMe bytes
+   fits, no candidate with them is chosen; among the rest, the fastest. Rank 0 logs every
+   candidate with its predicted time and bytes per tier, and why the chosen one won. No
+   candidate fitting raises PlacementBudgetError with the closest one's bytes per tier and kind
+   and the smallest budget per tier that some candidate fits.
+5. the chosen keys are written into the config's offload sections (and engine.config's dict), so
+   everything after reads them as if set by hand.
+Not chosen yet: bucket and prefetch sizes, sub_group_size; not measured: all-gather bandwidth,
+activations (rss_margin holds them). Inherited pessimism: the byte rules count every offloaded
+element's gradient as held when stepping in backward (host_budget.speculation_need), so large
+models rarely get step_in_backward from the planner.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerokit.engine import bf16_state, nvme_plan
+from zerokit.engine.auto_ratio import balance
+from zerokit.engine.bandwidths import Bandwidths
+from zerokit.engine.byte_plan import plan_layouts, planned_bytes
+from zerokit.policy import PartitionPolicy, PlacementPolicy
+from zerokit.policy.placement import SPLIT_ALIGN
+from zerokit.sizes import mib
+from zerokit.tier_names import TierName
+
+log = logging.getLogger("zerokit")
+
+OPT_BUFFER_COUNTS = (4, 3)  # the NVMe stream: read i+1, update i, write i-1 needs 3
+PARAM_BUFFER_COUNTS = (5, 2)  # weight shards read ahead (DeepSpeed's default 5)
+PARAM_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # offload_param.max_in_cpu points, of what RAM holds
+TIE = 0.005  # predicted times this close are a tie
+
+
+class PlacementBudgetError(MemoryError):
+    """No placement fits the memory budgets."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One candidate: the placement keys it sets ("-": not applicable)."""
+
+    param: str = "none"          # offload_param.device (stage 3)
+    param_max_in_cpu: int = 0
+    param_buffer_count: int = 5
+    optimizer: str = "none"      # offload_optimizer.device
+    ratio: float = 1.0
+    opt_max_in_cpu: int = 0
+    opt_buffer_count: int = 4
+    step_in_backward: bool = False
+
+    def keys(self, nvme_path: str | None) -> dict[str, dict[str, Any]]:
+        """The config keys this choice sets, per offload section."""
+        opt: dict[str, Any] = {"device": self.optimizer}
+        if self.optimizer != "none":
+            opt.update(ratio=self.ratio, step_in_backward=self.step_in_backward)
+        else:
+            opt.update(step_in_backward=False)
+        if self.optimizer == "nvme":
+            opt.update(max_in_cpu=self.opt_max_in_cpu, buffer_count=self.opt_buffer_count,
+                       nvme_path=nvme_path)
+        par: dict[str, Any] = {"device": self.param}
+        if self.param == "nvme":
+            par.update(max_in_cpu=self.param_max_in_cpu, buffer_count=self.param_buffer_count,
+                       nvme_path=nvme_path)
+        return {"offload_optimizer": opt, "offload_param": par}
+
+    def describe(self, stage3: bool) -> str:
+        where = {"none": "device", "cpu": "host", "nvme": "nvme"}
+        out = []
+        if stage3:
+            w = f"weights {where[self.param]}"
+            if self.param == "nvme":
+                w += f" (max_in_cpu {self.param_max_in_cpu:,}, read-ahead {self.param_buffer_count})"
+            out.append(w)
+        o = f"optimizer {where[self.optimizer]}"
+        if self.optimizer != "none" and self.ratio < 1.0:
+            o += f" (Twin-Flow ratio {self.ratio:.2f})"
+        if self.optimizer == "nvme":
+            o += f" (max_in_cpu {self.opt_max_in_cpu:,}, buffers {self.opt_buffer_count})"
+        if self.optimizer != "none":
+            o += ", stepped in backward" if self.step_in_backward else ", stepped in step()"
+        out.append(o)
+        return "; ".join(out)
+
+
+@dataclass
+class PlanInputs:
+    """What the planner reads: the config, the engine's units and dtypes, the budgets and the
+    memory outside the model states (see [Note: the placement planner])."""
+
+    cfg: Any                      # ZeroKitConfig
+    groups: list                  # units/wrap.py group_parameters
+    world: int
+    rank: int
+    cuda: bool                    # the compute device is a GPU (else the device tier is host RAM)
+    policy: PartitionPolicy
+    dtype: torch.dtype
+    reduce: torch.dtype
+    accumulation: int
+    kind: str | None              # the optimizer's kind (optim/recipe.py)
+    optimizer: Any = None         # the user's optimizer object, for bf16_state's checks
+    budgets: dict = field(default_factory=dict)  # TierName -> (bytes, source)
+    host_available: tuple[int, str] | None = None  # without memory.host: per rank, and whence
+    process_bytes: int = 0        # host bytes outside the ledger (RSS at initialize less the model)
+    transient_bytes: int = 0      # gathered peak + reduction buffers, device tier
+    rss_margin: int = 0
+
+
+@dataclass
+class Prediction:
+    choice: Choice
+    bytes: dict = field(default_factory=dict)      # TierName -> kind -> bytes (model states)
+    checks: dict = field(default_factory=dict)     # check -> (need, limit, source, breakdown)
+    seconds: float = 0.0
+    time_parts: dict = field(default_factory=dict)
+    invalid: str = ""                              # why the combination cannot run
+
+    @property
+    def over(self) -> dict[str, int]:
+        return {name: need - limit for name, (need, limit, _, _) in self.checks.items()
+                if limit is not None and need > limit}
+
+    @property
+    def fits(self) -> bool:
+        return not self.invalid and not self.over
+
+    def tier(self, tier: TierName) -> int:
+        return sum(self.bytes.get(tier, {}).values())
+
+
+@dataclass
+class Plan:
+    chosen: Prediction
+    considered: list[Prediction]
+    config: Any                   # the config with the chosen keys in its offload sections
+    bandwidths: Bandwidths
+    why: str
+    stage3: bool
+    nvme_path: str | None = None
+
+    def shown_in(self, raw: dict) -> None:
+        """Writes the chosen keys into `raw`'s offload sections (engine.config, the DeepSpeed
+        dict the HF Trainer reads), in new dicts: the user's nested dicts are not touched."""
+        zero = dict(raw.get("zero_optimization") or {})
+        for name, keys in self.chosen.choice.keys(self.nvme_path).items():
+            zero[name] = {**(zero.get(name) or {}), **keys}
+        raw["zero_optimization"] = zero
+
+    def explain(self) -> str:
+        lines = [f"memory planner: {len(self.considered)} placements considered; bandwidths: "
+                 f"{self.bandwidths.describe()}",
+                 f"  {'':2} {'step':>10} {'device':>12} {'host':>12} {'nvme':>12}  placement"]
+        for p in sorted(self.considered, key=lambda p: (not p.fits, p.seconds)):
+            mark = "=>" if p is self.chosen else "  "
+            verdict = (f"  [cannot run: {p.invalid}]" if p.invalid else
+                       "  [over " + ", ".join(f"{k} by {mib(v)}" for k, v in p.over.items()) + "]"
+                       if p.over else "")
+            cells = [mib(p.tier(t), 1) for t in (TierName.DEVICE, TierName.HOST, TierName.NVME)]
+            secs = f"{_secs(p.seconds):>10}" if not p.invalid else f"{'-':>10}"
+            lines.append(f"  {mark} {secs} {cells[0]:>12} {cells[1]:>12} {cells[2]:>12}  "
+                         f"{p.choice.describe(self.stage3)}{verdict}")
+        c = self.chosen
+        lines.append(f"chosen: {c.choice.describe(self.stage3)}: {self.why}; predicted "
+                     + ", ".join(f"{k} {_secs(v)}" for k, v in c.time_parts.items() if v)
+                     + "; " + "; ".join(f"{name} {mib(need)} of {mib(limit)} ({src})"
+                                        for name, (need, limit, src, _) in c.checks.items()
+                                        if limit is not None))
+        return "\n".join(lines)
+
+
+def _secs(x: float) -> str:
+    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms"
+
+
+# ------------------------------------------------------------------------------ what is free
+@dataclass(frozen=True)
+class Freedom:
+    """Per key, the values the planner may choose from (one value: hand-set or not applicable)."""
+
+    params: tuple[str, ...]
+    optimizers: tuple[str, ...]
+    ratios: tuple[float, ...] | None  # None: free (decided from the rates)
+    step_in_backward: tuple[bool, ...]
+    opt_max_in_cpu: int | None        # None: free
+    param_max_in_cpu: int | None
+    opt_buffer_counts: tuple[int, ...]
+    param_buffer_counts: tuple[int, ...]
+    nvme_path: str | None
+
+
+def _given(cfg, section: str) -> set[str]:
+    zero = cfg.zero_optimization
+    return set(getattr(zero, section).model_fields_set) if section in zero.model_fields_set else set()
+
+
+def freedom(cfg) -> Freedom:
+    zero = cfg.zero_optimization
+    off, par = zero.offload_optimizer, zero.offload_param
+    off_set, par_set = _given(cfg, "offload_optimizer"), _given(cfg, "offload_param")
+    path = off.nvme_path or par.nvme_path
+    disk = ("nvme",) if path else ()
+    if zero.stage == 0:
+        opts: tuple[str, ...] = ("none",)
+    elif "device" in off_set and off.device != "auto":
+        opts = (off.device,)
+    else:
+        opts = ("none", "cpu") + disk
+    if zero.stage != 3:
+        params: tuple[str, ...] = ("none",)
+    elif "device" in par_set and par.device != "auto":
+        params = (par.device,)
+    else:
+        params = ("none", "cpu") + disk
+    ratio_free = "ratio" not in off_set or off.ratio == "auto"
+    if off.delayed_update.enabled:
+        sib: tuple[bool, ...] = (False,)
+    elif "step_in_backward" in off_set and off.step_in_backward != "auto":
+        sib = (bool(off.step_in_backward),)
+    else:
+        sib = (True, False)
+    return Freedom(
+        params, opts, None if ratio_free else (float(off.ratio),), sib,
+        None if "max_in_cpu" not in off_set else off.max_in_cpu,
+        None if "max_in_cpu" not in par_set else par.max_in_cpu,
+        (off.buffer_count,) if "buffer_count" in off_set else OPT_BUFFER_COUNTS,
+        (par.buffer_count,) if "buffer_count" in par_set else PARAM_BUFFER_COUNTS,
+        path)
+
+
+def asked(cfg, budgets: dict) -> bool:
+    """Whether initialize plans the placement: a budget is given and a placement key is left
+    to the planner. 'auto' without a budget is refused, naming the keys."""
+    zero = cfg.zero_optimization
+    autos = [f"zero_optimization.{s}.device" for s in ("offload_optimizer", "offload_param")
+             if getattr(zero, s).device == "auto"]
+    if not budgets:
+        if autos:
+            raise ValueError(f"{' and '.join(autos)} 'auto' chooses the placement from a memory "
+                             f"budget, and the config gives none: set memory.host (bytes, a size "
+                             f"such as '20GiB', or 'auto'), memory.device or memory.nvme, or give "
+                             f"the device ('none', 'cpu' or 'nvme')")
+        return False
+    free = freedom(cfg)
+    return (len(free.optimizers) > 1 or len(free.params) > 1 or bool(autos)
+            or ("nvme" in free.optimizers and free.opt_max_in_cpu is None)
+            or ("nvme" in free.params and free.param_max_in_cpu is None))
+
+
+# ------------------------------------------------------------------------------ prediction
+def _resolved(cfg, choice: Choice, path: str | None):
+    zero = cfg.zero_optimization
+    keys = choice.keys(path)
+    sections = {}
+    for name in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, name)
+        values = {**section.model_dump(), **keys[name]}
+        sections[name] = type(section).model_validate(values)
+    new_zero = type(zero).model_validate({**zero.model_dump(), **{k: v.model_dump() for k, v in sections.items()}})
+    return cfg.model_copy(update={"zero_optimization": new_zero})
+
+
+def _placement(inputs: PlanInputs, cfg) -> PlacementPolicy:
+    placement = PlacementPolicy.from_config(cfg.zero_optimization)
+    return bf16_state.with_state_dtypes(cfg, placement, inputs.optimizer)
+
+
+def _layouts(inputs: PlanInputs, placement: PlacementPolicy) -> list:
+    return plan_layouts(inputs.groups, inputs.world, inputs.rank, inputs.cuda, inputs.policy,
+                        inputs.dtype, inputs.reduce, inputs.accumulation, placement)
+
+
+def _checks(inputs: PlanInputs, states: dict) -> dict:
+    """check -> (bytes needed, limit or None, where the limit comes from, breakdown)."""
+    host = {k: v for k, v in states[TierName.HOST].items() if v}
+    device = {k: v for k, v in states[TierName.DEVICE].items() if v}
+    nvme = {k: v for k, v in states[TierName.NVME].items() if v}
+    if inputs.transient_bytes:
+        device["transients (gathered weights, reductions)"] = inputs.transient_bytes
+    ram = dict(host)
+    if not inputs.cuda:  # the device tier is this host's RAM
+        ram.update({f"device {k}": v for k, v in device.items()})
+    if inputs.process_bytes:
+        ram["process (RSS at initialize less the model)"] = inputs.process_bytes
+    if inputs.rss_margin:
+        ram["memory.rss_margin"] = inputs.rss_margin
+    budgets = inputs.budgets
+    if TierName.HOST in budgets:
+        limit, source = budgets[TierName.HOST]
+    elif inputs.host_available is not None:
+        limit, source = inputs.host_available
+    else:
+        limit, source = None, ""
+    out = {"host": (sum(ram.values()), limit, source, ram)}
+    if TierName.DEVICE in budgets or inputs.cuda:
+        dev = budgets.get(TierName.DEVICE, (None, ""))
+        out["device"] = (sum(device.values()), dev[0], dev[1], device)
+    out["nvme"] = (sum(nvme.values()), *budgets.get(TierName.NVME, (None, "")), nvme)
+    return out
+
+
+def step_time(inputs: PlanInputs, placement: PlacementPolicy, layouts: list,
+              bw: Bandwidths) -> dict[str, float]:
+    """The stated model ([Note: the placement planner], point 3): seconds per step by what."""
+    m = inputs.accumulation
+    dev = sum(p.numel for lay in layouts for p in lay.parts if p.tier is TierName.DEVICE)
+    off = sum(lay.host_numel + lay.nvme_numel for lay in layouts)
+    elem = torch.empty(0, dtype=inputs.dtype).element_size()
+    master = torch.empty(0, dtype=placement.master_dtype).element_size()
+    shards = sum(lay.record("shard").nbytes for lay in layouts
+                 if lay.has("shard") and lay.record("shard").tier is not TierName.DEVICE)
+    parts = {"device Adam": dev / bw.device_adam, "host Adam": off / bw.host_adam,
+             "host copies": (2 * m * shards + (master + elem) * off) / bw.host_copy}
+    files = nvme_plan.nvme_need(layouts, inputs.kind, placement.state_dtype) if placement.nvme else 0
+    w_read, w_write = nvme_plan.weight_traffic(layouts, m)
+    if files or w_read:
+        parts["disk read"] = (files + w_read) / bw.disk_read
+        parts["disk write"] = (files + w_write) / bw.disk_write
+    return parts
+
+
+def predict(inputs: PlanInputs, choice: Choice, bw: Bandwidths, cfg=None) -> Prediction:
+    """One candidate's bytes per tier and kind, checks and predicted step time."""
+    out = Prediction(choice)
+    try:
+        cfg = cfg if cfg is not None else _resolved(inputs.cfg, choice, freedom(inputs.cfg).nvme_path)
+        placement = _placement(inputs, cfg)
+    except (ValueError, NotImplementedError) as e:
+        out.invalid = str(e).splitlines()[-1][:200]
+        return out
+    return _predict(inputs, cfg, placement, out, bw)
+
+
+def _predict(inputs: PlanInputs, cfg, placement: PlacementPolicy, out: Prediction,
+             bw: Bandwidths) -> Prediction:
+    layouts = _layouts(inputs, placement)
+    out.bytes = planned_bytes(cfg, placement, layouts, inputs.kind)
+    out.checks = _checks(inputs, out.bytes)
+    if (placement.nvme or placement.params_on_nvme) and not (bw.disk_read and bw.disk_write):
+        out.invalid = "no disk bandwidth measured (no nvme_path)"
+        return out
+    out.time_parts = step_time(inputs, placement, layouts, bw)
+    out.seconds = sum(out.time_parts.values())
+    return out
+
+
+def _host_fits(inputs: PlanInputs, cfg, placement: PlacementPolicy) -> bool:
+    states = planned_bytes(cfg, placement, _layouts(inputs, placement), inputs.kind)
+    need, limit, _, _ = _checks(inputs, states)["host"]
+    return limit is None or need <= limit
+
+
+# ------------------------------------------------------------------------------ search
+def _shapes(inputs: PlanInputs, free: Freedom, bw: Bandwidths) -> list[Choice]:
+    ratios = free.ratios
+    if ratios is None:
+        ratios = (1.0,)
+        if inputs.cuda:
+            r = round(balance(bw.host_adam, bw.device_adam, 0, None)[0], 2)
+            ratios = (1.0, r) if 0.0 < r < 1.0 else ratios
+    out = []
+    for param in free.params:
+        for opt in free.optimizers:
+            for ratio in (ratios if opt != "none" else (1.0,)):
+                for sib in (free.step_in_backward if opt != "none" else (False,)):
+                    for ob in (free.opt_buffer_counts if opt == "nvme" else (OPT_BUFFER_COUNTS[0],)):
+                        for pb in (free.param_buffer_counts if param == "nvme"
+                                   else (PARAM_BUFFER_COUNTS[0],)):
+                            out.append(Choice(param, free.param_max_in_cpu or 0, pb, opt, ratio,
+                                              free.opt_max_in_cpu or 0, ob, sib))
+    return out
+
+
+def _largest(fits, hi: int, step: int = 1) -> int:
+    """The largest x in [0, hi] (multiples of `step`, or hi) with fits(x), fits monotone
+    decreasing; 0 when none (the candidate then shows over budget)."""
+    if fits(hi):
+        return hi
+    lo, top = 0, hi // step  # fits(lo * step) assumed or reported
+    while lo < top:
+        mid = (lo + top + 1) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            top = mid - 1
+    return lo * step
+
+
+def _fill(inputs: PlanInputs, free: Freedom, shape: Choice, bw: Bandwidths) -> list[Prediction]:
+    """The shape's predictions with its free max_in_cpu keys chosen (see the Note, point 1)."""
+    try:
+        cfg = _resolved(inputs.cfg, shape, free.nvme_path)
+        base = _placement(inputs, cfg)
+    except (ValueError, NotImplementedError) as e:
+        return [Prediction(shape, invalid=str(e).splitlines()[-1][:200])]
+    opt_free = shape.optimizer == "nvme" and free.opt_max_in_cpu is None
+    param_free = shape.param == "nvme" and free.param_max_in_cpu is None
+    huge = 1 << 62
+    param_points = [shape.param_max_in_cpu]
+    if param_free:
+        layouts = _layouts(inputs, dataclasses.replace(base, ram_numel=0, param_ram_numel=0))
+        prefix = [0]
+        for lay in layouts:
+            prefix.append(prefix[-1] + lay.shard_numel)
+        k = _largest(lambda i: _host_fits(inputs, cfg, dataclasses.replace(
+            base, ram_numel=0, param_ram_numel=prefix[i])), len(prefix) - 1)
+        if k == len(prefix) - 1 and "cpu" in free.params:
+            return []  # every shard in RAM: the 'cpu' candidate, without the files
+        param_points = sorted({prefix[round(k * f)] for f in PARAM_GRID})
+    out = []
+    for pmax in param_points:
+        omax = shape.opt_max_in_cpu
+        if opt_free:
+            total = sum(lay.host_numel + lay.nvme_numel for lay in _layouts(
+                inputs, dataclasses.replace(base, ram_numel=huge, param_ram_numel=pmax)))
+            omax = _largest(lambda x: _host_fits(inputs, cfg, dataclasses.replace(
+                base, ram_numel=x, param_ram_numel=pmax)), total, SPLIT_ALIGN)
+            if omax >= total and "cpu" in free.optimizers:
+                continue  # every element in RAM: the 'cpu' candidate, without the stream
+        choice = dataclasses.replace(shape, param_max_in_cpu=pmax, opt_max_in_cpu=omax)
+        placement = dataclasses.replace(base, ram_numel=omax, param_ram_numel=pmax)
+        out.append(_predict(inputs, _resolved(inputs.cfg, choice, free.nvme_path), placement,
+                            Prediction(choice), bw))
+    return out
+
+
+def _tie_key(p: Prediction) -> tuple:
+    return (p.tier(TierName.NVME), -p.choice.param_buffer_count, -p.choice.opt_buffer_count,
+            p.tier(TierName.HOST), p.seconds)
+
+
+def choose(inputs: PlanInputs, bw: Bandwidths) -> Plan:
+    """The fastest placement that fits; see [Note: the placement planner]."""
+    free = freedom(inputs.cfg)
+    considered = [p for shape in _shapes(inputs, free, bw) for p in _fill(inputs, free, shape, bw)]
+    stage3 = inputs.cfg.zero_optimization.stage == 3
+    fitting = [p for p in considered if p.fits]
+    if not fitting:
+        raise PlacementBudgetError(_refusal(considered, stage3, free.nvme_path is not None))
+    in_ram = [p for p in fitting if not p.tier(TierName.NVME)]
+    pool = in_ram or fitting
+    fastest = min(p.seconds for p in pool)
+    best = min((p for p in pool if p.seconds <= fastest * (1 + TIE)), key=_tie_key)
+    why = _why(best, pool, fitting, in_ram, considered, stage3)
+    return Plan(best, considered, _resolved(inputs.cfg, best.choice, free.nvme_path), bw, why, stage3,
+                free.nvme_path)
+
+
+def _why(best: Prediction, pool: list, fitting: list, in_ram: list, considered: list,
+         stage3: bool) -> str:
+    dropped = len(considered) - len(fitting)
+    why = f"the fastest predicted of the {len(fitting)} that fit ({dropped} over a budget or unable to run)"
+    if in_ram and len(in_ram) < len(fitting):
+        why += "; RAM holds it, so no candidate with bytes on NVMe was taken"
+    elif not in_ram:
+        why += "; no candidate fits without NVMe"
+    others = sorted((p for p in pool if p is not best), key=lambda p: p.seconds)
+    if others:
+        nxt = others[0]
+        if nxt.seconds <= best.seconds * (1 + TIE):
+            why += (f"; tied in time with '{nxt.choice.describe(stage3)}', kept for fewer NVMe "
+                    f"bytes, then more read-ahead, then fewer host bytes")
+        else:
+            why += (f"; next: '{nxt.choice.describe(stage3)}' at {_secs(nxt.seconds)} "
+                    f"(+{100 * (nxt.seconds / best.seconds - 1) if best.seconds else 0:.0f}%)")
+    return why
+
+
+def _refusal(considered: list, stage3: bool, has_disk: bool) -> str:
+    valid = [p for p in considered if not p.invalid]
+    if not valid:
+        return ("no placement can run: " + "; ".join(sorted({p.invalid for p in considered})))
+    names = sorted({n for p in valid for n, (_, limit, _, _) in p.checks.items() if limit is not None})
+    smallest = {}
+    for name in names:  # the least any candidate needs there, among those that fit elsewhere
+        others = [p for p in valid if all(n == name or n not in p.over for n in p.checks)]
+        best = min(others or valid, key=lambda p: p.checks[name][0])
+        smallest[name] = (best.checks[name][0], best)
+    closest = min(valid, key=lambda p: sum(p.over.values()))
+    lines = ["no placement fits the memory budgets ("
+             + ", ".join(f"{n} {mib(p.checks[n][1])} per rank ({p.checks[n][2]})"
+                         for n, (_, p) in smallest.items()) + ")."]
+    need = [f"{_label(n, p.checks[n][2])} {mib(v)} (with '{p.choice.describe(stage3)}')"
+            for n, (v, p) in smallest.items() if v > p.checks[n][1]]
+    lines.append("The smallest budget that would work: " + ("; ".join(need) or "-") + ".")
+    lines.append(f"The closest placement, '{closest.choice.describe(stage3)}', needs per rank:")
+    for name, (total, limit, source, parts) in closest.checks.items():
+        detail = ", ".join(f"{k} {mib(v)}" for k, v in parts.items()) or "nothing"
+        over = f", over {mib(limit)} ({source}) by {mib(total - limit)}" if limit is not None and total > limit else ""
+        lines.append(f"  {name}: {mib(total)} = {detail}{over}")
+    lines.append("Raise the budget" + ("" if has_disk else ", give an offload_optimizer or "
+                 "offload_param nvme_path (a disk lets the planner put state on NVMe)")
+                 + ", or spread the model over more ranks.")
+    return "\n".join(lines)
+
+
+def _label(check: str, source: str) -> str:
+    return f"memory.{check}" if source.startswith("memory.") else "host memory available"
+
+
+# ------------------------------------------------------------------------------ at initialize
+def _model_host_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's tensors in host memory now (each storage once): what laying out
+    the units replaces, so not part of the process's own memory."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == "cpu" and t.numel():
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def _transients(inputs: PlanInputs, model: torch.nn.Module) -> int:
+    """Device bytes every placement has: stage 3's gathered peak (the scheduler's rules over
+    the units in their order, engine/gathered_peak.py) and the reductions' buffers."""
+    from zerokit.engine.byte_plan import reduce_buffer_bytes
+    from zerokit.engine.gathered_peak import gathered_peak_numel
+
+    layouts = _layouts(inputs, PlacementPolicy())
+    total = reduce_buffer_bytes(layouts, inputs.policy, inputs.dtype, inputs.reduce,
+                                inputs.cfg.zero_optimization)
+    if inputs.policy.shard_weights:
+        units = [(name, module, lay.numel, lay.padded_numel)
+                 for (name, module, *_), lay in zip(inputs.groups, layouts)]
+        modules = [module for _, module, *_ in inputs.groups]
+        element = torch.empty(0, dtype=inputs.dtype).element_size()
+        total += element * gathered_peak_numel(units, modules, model, inputs.cfg.zero_optimization)
+    return total
+
+
+def _shared_bandwidths(comm, path: str | None) -> Bandwidths:
+    """Rank 0's rates (measured or cached), the same on every rank: every rank plans alike."""
+    from zerokit.engine import bandwidths
+
+    mine = bandwidths.rates(path, comm.device) if comm.rank == 0 else None
+    if comm.world_size == 1:
+        return mine
+    t = torch.tensor(mine.as_list() if mine else [0.0] * 5, dtype=torch.float64, device=comm.device)
+    comm.broadcast_(t, 0, "placement planner: bandwidths")
+    return mine or Bandwidths.from_list(t.tolist(), "", "rank 0's")
+
+
+def plan_at_initialize(inputs: PlanInputs, model: torch.nn.Module, comm) -> Plan:
+    """initialize's call: the process's memory (the largest of the ranks'), the transients, the
+    shared bandwidths, then `choose`; rank 0 logs the explanation."""
+    from zerokit.engine import host_budget
+
+    rss = host_budget.RssWatch.rss()
+    inputs.process_bytes = int(comm.max_flag(float(max(0, rss - _model_host_bytes(model))),
+                                             "placement planner: process memory"))
+    if TierName.HOST not in inputs.budgets:
+        avail, source = host_budget.available_host_bytes()
+        inputs.host_available = (avail // host_budget.local_ranks() + rss,
+                                 f"{source} available per rank, plus this process's RSS")
+    inputs.transient_bytes = _transients(inputs, model)
+    plan = choose(inputs, _shared_bandwidths(comm, freedom(inputs.cfg).nvme_path))
+    if comm.rank == 0:
+        log.info("%s", plan.explain())
+    return plan

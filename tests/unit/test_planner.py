@@ -1,0 +1,276 @@
+"""The placement planner's decisions (engine/planner.py, [Note: the placement planner]) on the
+engine's own units of a small GPT, with injected bandwidths and memory outside the model states:
+RAM that holds everything puts nothing on NVMe, a tight budget moves the coldest state to NVMe
+and keeps in RAM what fits, an impossible budget is refused naming the smallest that works;
+hand-set keys are kept; the step-time model is the stated sum; the bandwidths are cached."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from reference import tiny_gpt
+from zerokit.config import load_config
+from zerokit.engine import bandwidths, planner
+from zerokit.engine.bandwidths import Bandwidths
+from zerokit.engine.byte_plan import planned_bytes
+from zerokit.engine.planner import PlacementBudgetError, PlanInputs, choose
+from zerokit.models import GPTConfig
+from zerokit.optim.recipe import recipe_from
+from zerokit.policy import PartitionPolicy
+from zerokit.sizes import mib
+from zerokit.tier_names import TierName
+from zerokit.units.wrap import group_parameters, select_modules
+
+HOST, DEVICE, NVME = TierName.HOST, TierName.DEVICE, TierName.NVME
+# host copy 10 GB/s, disk read 2 GB/s, write 1 GB/s, host Adam 400 M/s, device Adam 100 M/s
+BW = Bandwidths(10e9, 2e9, 1e9, 400e6, 100e6, "", "injected")
+# A GPT with more state than padding: 4 blocks of 64 wide
+MODEL = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=64, bias=False)
+
+
+def _cfg(stage: int = 3, zero: dict | None = None, nvme: str | None = "/swap", **extra) -> object:
+    z = {"stage": stage, **(zero or {})}
+    if nvme:
+        for section in ("offload_optimizer", "offload_param") if stage == 3 else ("offload_optimizer",):
+            z.setdefault(section, {})
+            z[section] = {"nvme_path": nvme, **z[section]}
+    return load_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": z,
+                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra})
+
+
+def _inputs(cfg, host: int | None, *, device: int | None = None, cuda: bool = False,
+            world: int = 1, process: int = 0, transients: int = 0) -> PlanInputs:
+    model = tiny_gpt(cfg=MODEL)
+    recipe = recipe_from(model, None, None, cfg.optimizer)
+    groups = group_parameters(model, select_modules(model, None), recipe.group_of)
+    budgets = {}
+    if host is not None:
+        budgets[HOST] = (host, "memory.host")
+    if device is not None:
+        budgets[DEVICE] = (device, "memory.device")
+    return PlanInputs(cfg, groups, world, 0, cuda, PartitionPolicy.for_stage(cfg.zero_optimization.stage),
+                      torch.float32, torch.float32, 1, recipe.kind, None, budgets,
+                      process_bytes=process, transient_bytes=transients)
+
+
+def _host_need(p) -> int:
+    return p.checks["host"][0]
+
+
+def test_everything_in_ram_puts_nothing_on_nvme_even_with_a_fast_disk():
+    cfg = _cfg()
+    fast_disk = Bandwidths(1e9, 100e9, 100e9, 400e6, 100e6, "", "a disk faster than RAM")
+    for bw in (BW, fast_disk):
+        plan = choose(_inputs(cfg, 1 << 30, process=100 << 20), bw)
+        assert plan.chosen.tier(NVME) == 0, plan.explain()
+        assert plan.chosen.choice.param != "nvme" and plan.chosen.choice.optimizer != "nvme"
+        z = plan.config.zero_optimization
+        assert z.offload_param.device in ("none", "cpu") and z.offload_optimizer.device in ("none", "cpu")
+    # on a CPU device the host kernel (400 M/s) beats torch's Adam (100 M/s): the optimizer goes
+    # to the host tier; with torch faster it stays on the device
+    assert choose(_inputs(cfg, 1 << 30), BW).chosen.choice.optimizer == "cpu"
+    slow_host = Bandwidths(10e9, 2e9, 1e9, 50e6, 400e6, "", "injected")
+    assert choose(_inputs(cfg, 1 << 30), slow_host).chosen.choice.optimizer == "none"
+
+
+def test_ram_that_holds_it_wins_even_over_a_disk_placement_predicted_faster(monkeypatch):
+    """The rule, not only the time model: a budget that holds the optimizer in RAM stepped in
+    step() but not the restores of stepping in backward leaves NVMe candidates (stepping in
+    backward, part on disk); predicted faster by a patched model, they still lose."""
+    cfg = _cfg(stage=2)
+    roomy = choose(_inputs(cfg, 1 << 30), BW)
+    need = {p.choice.step_in_backward: _host_need(p) for p in roomy.considered
+            if p.choice.optimizer == "cpu"}
+    assert need[True] > need[False]
+    monkeypatch.setattr(planner, "step_time", lambda inputs, placement, layouts, bw:
+                        {"model": 0.001 if placement.nvme else 1.0})
+    plan = choose(_inputs(cfg, (need[True] + need[False]) // 2), BW)
+    faster = [p for p in plan.considered if p.fits and p.tier(NVME) and p.seconds < plan.chosen.seconds]
+    assert faster, plan.explain()
+    assert plan.chosen.tier(NVME) == 0, plan.explain()
+    assert "RAM holds it, so no candidate with bytes on NVMe was taken" in plan.explain()
+
+
+def test_a_tight_budget_moves_state_to_nvme_and_keeps_in_ram_what_fits():
+    cfg = _cfg()
+    roomy = choose(_inputs(cfg, 1 << 30, process=50 << 20), BW)
+    in_ram = [p for p in roomy.considered if p.fits and not p.tier(NVME)]
+    least = min(_host_need(p) for p in in_ram)
+    # everything on NVMe, nothing kept in RAM (the planner lists no such candidate when RAM
+    # holds more: it would be a slower copy of the 'cpu' one)
+    nothing_kept = min(_host_need(planner.predict(_inputs(cfg, 1 << 30, process=50 << 20),
+                                                  planner.Choice("nvme", 0, pb, "nvme", 1.0, 0, ob, sib), BW))
+                       for pb in (5, 2) for ob in (4, 3) for sib in (True, False))
+    assert nothing_kept < least
+    budget = (least + nothing_kept) // 2  # below every all-in-RAM placement, above the floor
+    plan = choose(_inputs(cfg, budget, process=50 << 20), BW)
+    c = plan.chosen
+    assert c.fits and c.tier(NVME) > 0 and _host_need(c) <= budget, plan.explain()
+    assert not any(p.fits for p in plan.considered if not p.tier(NVME))
+    # what RAM can hold stays there: the chosen max_in_cpu leaves less than one unit's worth
+    # (or one 64-element step) of the budget unused
+    z = plan.config.zero_optimization
+    assert (z.offload_optimizer.device, z.offload_param.device) != ("none", "none")
+    assert z.offload_optimizer.max_in_cpu == c.choice.opt_max_in_cpu
+    assert z.offload_param.max_in_cpu == c.choice.param_max_in_cpu
+    # (here: the weights in RAM, the optimizer on NVMe with max_in_cpu elements kept in RAM)
+    assert c.choice.opt_max_in_cpu > 0 or c.choice.param_max_in_cpu > 0, plan.explain()
+    if c.choice.optimizer == "nvme":
+        slack = budget - _host_need(c)
+        assert 0 <= slack < 64 * 32, (slack, plan.explain())  # 64 elements of at most 32 B
+    # the prediction is the byte rules' figure for the config the plan writes
+    from zerokit.engine.planner import _layouts, _placement
+
+    placement = _placement(_inputs(cfg, budget), plan.config)
+    assert planned_bytes(plan.config, placement, _layouts(_inputs(cfg, budget), placement),
+                         "AdamW") == c.bytes
+    # a smaller budget keeps less in RAM and is predicted slower
+    tighter = choose(_inputs(cfg, budget - (budget - nothing_kept) // 2, process=50 << 20), BW)
+    assert tighter.chosen.tier(NVME) >= c.tier(NVME) and tighter.chosen.seconds >= c.seconds
+
+
+def test_an_impossible_budget_is_refused_naming_the_smallest_budget_that_works():
+    cfg = _cfg()
+    inputs = _inputs(cfg, 1 << 20, process=64 << 20)
+    with pytest.raises(PlacementBudgetError) as e:
+        choose(inputs, BW)
+    text = str(e.value)
+    # the floor, enumerated here: every placement with nothing kept in RAM by max_in_cpu
+    roomy = _inputs(cfg, 1 << 40, process=64 << 20)
+    smallest = min(_host_need(planner.predict(roomy, planner.Choice(pd, 0, pb, od, 1.0, 0, ob, sib), BW))
+                   for pd in ("none", "cpu", "nvme") for od in ("none", "cpu", "nvme")
+                   for pb in (5, 2) for ob in (4, 3) for sib in (True, False)
+                   if not (od == "none" and sib))
+    assert f"The smallest budget that would work: memory.host {mib(smallest)}" in text, text
+    for part in ("process (RSS at initialize less the model)", "master", "optimizer_state",
+                 "host:", "nvme:", "over 1.00 MiB (memory.host)"):
+        assert part in text, text
+    # the figure is right: it works, and a byte less does not
+    choose(_inputs(cfg, smallest, process=64 << 20), BW)
+    with pytest.raises(PlacementBudgetError):
+        choose(_inputs(cfg, smallest - 1, process=64 << 20), BW)
+
+
+def test_device_budget_on_a_gpu_offloads_and_weighs_twin_flow():
+    cfg = _cfg(stage=2, nvme=None)
+    model_bytes = sum(p.numel() for p in tiny_gpt(cfg=MODEL).parameters()) * 4
+    plan = choose(_inputs(cfg, 1 << 30, device=model_bytes * 3, cuda=True), BW)
+    ratios = {p.choice.ratio for p in plan.considered if p.choice.optimizer == "cpu"}
+    assert ratios == {1.0, 0.8}, ratios  # 400 / (400 + 100): host and device finish together
+    assert plan.chosen.checks["device"][0] <= model_bytes * 3
+    assert plan.chosen.choice.optimizer == "cpu"
+    # device memory for everything: nothing leaves the device (the device Adam 4x the host's)
+    fast_device = Bandwidths(10e9, None, None, 100e6, 400e6, "", "injected")
+    assert choose(_inputs(cfg, 1 << 30, device=1 << 30, cuda=True), fast_device).chosen.choice.optimizer == "none"
+
+
+def test_hand_set_keys_stay_and_only_free_keys_are_searched():
+    cfg = _cfg(zero={"offload_optimizer": {"device": "nvme", "max_in_cpu": 6400, "buffer_count": 5},
+                     "offload_param": {"device": "cpu"}})
+    plan = choose(_inputs(cfg, 1 << 30), BW)
+    assert {(p.choice.optimizer, p.choice.param, p.choice.opt_max_in_cpu, p.choice.opt_buffer_count)
+            for p in plan.considered} == {("nvme", "cpu", 6400, 5)}
+    assert {p.choice.step_in_backward for p in plan.considered} == {True, False}  # "auto": free
+    z = plan.config.zero_optimization
+    assert z.offload_optimizer.max_in_cpu == 6400 and z.offload_optimizer.buffer_count == 5
+    # a device 'nvme' given without max_in_cpu: the planner fills it (the budget allows all in RAM
+    # but the device is the user's: kept)
+    cfg = _cfg(zero={"offload_optimizer": {"device": "nvme"}})
+    assert planner.asked(cfg, {HOST: (1, "memory.host")})
+    plan = choose(_inputs(cfg, 1 << 30), BW)
+    assert plan.chosen.choice.optimizer == "nvme" and plan.chosen.choice.opt_max_in_cpu > 0
+    # everything hand-set: nothing to plan
+    cfg = _cfg(zero={"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "none"}})
+    assert not planner.asked(cfg, {HOST: (1 << 30, "memory.host")})
+    assert not planner.asked(_cfg(), {})
+
+
+def test_auto_without_a_budget_is_refused_naming_the_keys():
+    cfg = _cfg(zero={"offload_optimizer": {"device": "auto"}})
+    with pytest.raises(ValueError, match=r"zero_optimization\.offload_optimizer\.device 'auto'.*memory\.host"):
+        planner.asked(cfg, {})
+    from zerokit.memory import estimate
+
+    with pytest.raises(ValueError, match="offload_optimizer.device 'auto' is chosen by the placement planner"):
+        estimate("demo", config={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "auto"}}},
+                 activations=False)
+
+
+def test_step_time_is_the_stated_model():
+    """Weights on the host, optimizer on the host, one micro-step: host Adam over every element,
+    the shards copied in two gathers, each element's gradient in and weight out; no disk."""
+    cfg = _cfg(zero={"offload_optimizer": {"device": "cpu", "step_in_backward": False},
+                     "offload_param": {"device": "cpu"}})
+    plan = choose(_inputs(cfg, 1 << 30), BW)
+    (p,) = plan.considered
+    n = sum(lay.shard_numel for lay in planner._layouts(_inputs(cfg, 1 << 30),
+                                                        planner._placement(_inputs(cfg, 1 << 30), plan.config)))
+    assert p.time_parts["device Adam"] == 0
+    assert p.time_parts["host Adam"] == pytest.approx(n / 400e6)
+    assert p.time_parts["host copies"] == pytest.approx((2 * 4 * n + (4 + 4) * n) / 10e9)
+    assert "disk read" not in p.time_parts
+    assert p.seconds == pytest.approx(sum(p.time_parts.values()))
+    assert "chosen:" in plan.explain() and "placements considered" in plan.explain()
+
+
+def test_bandwidths_are_measured_once_per_machine_and_path_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROKIT_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def probe(path, device):
+        calls.append(path)
+        return Bandwidths(1e9, 2e9, 3e9, 4e6, 5e6, "2026-01-01 00:00 UTC", "measured")
+
+    monkeypatch.setattr(bandwidths, "PROBE", probe)
+    a = bandwidths.rates(str(tmp_path), torch.device("cpu"))
+    b = bandwidths.rates(str(tmp_path), torch.device("cpu"))
+    assert calls == [str(tmp_path)] and a.source == "measured" and b.source.startswith("cached in")
+    assert (b.host_copy, b.disk_read, b.disk_write, b.measured_at) == (1e9, 2e9, 3e9, "2026-01-01 00:00 UTC")
+    bandwidths.rates(None, torch.device("cpu"))  # another path: measured again
+    assert calls == [str(tmp_path), None]
+    entries = json.loads((tmp_path / "cache" / "bandwidths.json").read_text())
+    assert len(entries) == 2 and all("measured_at" in e for e in entries.values())
+    # the real probe on this disk gives positive rates
+    read, write = bandwidths.disk_rates(str(tmp_path), 8 << 20)
+    assert read > 0 and write > 0 and not list(tmp_path.glob(".zerokit-bandwidth-probe-*"))
+    with pytest.raises(ValueError, match="bandwidth host_copy must be a positive number"):
+        Bandwidths(0, None, None, 1, 1)
+
+
+def test_initialize_fills_auto_devices_from_the_plan(tmp_path, monkeypatch):
+    """offload_*.device "auto" through zerokit.initialize: the engine runs the chosen placement,
+    the resolved keys are in its config, the bandwidths were probed once and cached."""
+    import psutil
+
+    import zerokit
+
+    monkeypatch.setenv("ZEROKIT_CACHE_DIR", str(tmp_path / "cache"))
+    probes = []
+    monkeypatch.setattr(bandwidths, "PROBE", lambda path, device: probes.append(path) or BW)
+    torch.set_num_threads(1)
+    budget = psutil.Process().memory_info().rss + (512 << 20)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "memory": {"host": budget, "rss_margin": "256MiB"},
+           "zero_optimization": {"stage": 3,
+                                 "offload_optimizer": {"device": "auto", "nvme_path": str(tmp_path)},
+                                 "offload_param": {"device": "auto", "nvme_path": str(tmp_path)}}}
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    try:
+        # BW: the host kernel (400 M/s) beats torch's Adam (100 M/s) on this CPU, RAM holds it
+        assert engine.placement.offloads and not engine.placement.nvme
+        assert not engine.placement.params_on_nvme
+        zero = engine.config.zero_optimization  # the typed config the engine runs
+        assert zero.offload_optimizer.device == "cpu" and zero.offload_param.device in ("none", "cpu")
+        shown = engine.config["zero_optimization"]  # the DeepSpeed dict (the HF Trainer reads it)
+        assert shown["offload_optimizer"]["device"] == "cpu" and shown["offload_param"]["device"] != "auto"
+        assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "auto"  # the user's, untouched
+        x = torch.randint(0, 256, (2, 16))
+        engine.backward(engine(x, x))
+        engine.step()
+        assert engine.ledger.bytes(tier="nvme", peak=True) == 0
+        assert engine.ledger.bytes(tier="host", peak=True) <= budget
+        assert probes == [str(tmp_path)]
+    finally:
+        engine.destroy()
