@@ -8,8 +8,10 @@ through the host parts (offload_optimizer cpu), stages 1-3, one process.
 - stochastic rounding where scale matters: at an lr whose updates are below half a bf16 ulp, the
   fp32-master run moves the weights, round-to-nearest barely does, stochastic rounding moves them
   by the fp32 run's amount on average (regression slope ~1);
-- what is not wired raises, naming the combination; the plan names the dtypes; the ledger counts
+- an optimizer without a bf16 kernel raises, naming it; the plan names the dtypes; the ledger counts
   2-byte master, gradient and (bf16) state on the host.
+The other tiers (nvme parts, the device part: no offload, Twin-Flow) give the host parts' bits:
+test_bf16_state_tiers.py.
 """
 from __future__ import annotations
 
@@ -116,14 +118,16 @@ def test_stochastic_rounding_is_reproducible():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("cfg, match", [
-    (_config(2, ratio=0.5), r"with offload_optimizer.ratio 0.5 \(Twin-Flow's device part\) is not implemented"),
-    (_config(2, device="none"), "without offload_optimizer is not implemented"),
+@pytest.mark.parametrize("device, error, match", [
+    ("none", NotImplementedError, "SGD has no bf16 master kernel for the device part"),
+    ("cpu", TypeError, "SGD has no host kernel"),
 ])
-def test_unwired_combinations_raise(cfg, match):
+def test_an_optimizer_without_a_bf16_kernel_raises_naming_it(device, error, match):
     import zerokit
 
-    with pytest.raises(NotImplementedError, match=match):
+    cfg = _config(2, device=device)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    with pytest.raises(error, match=match):
         zerokit.initialize(model=tiny_gpt(), config=cfg)
 
 

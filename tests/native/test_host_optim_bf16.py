@@ -213,3 +213,52 @@ def test_deepspeed_cpu_adam_on_bf16_parameters(fp32_states):
         dist = (ordered_bits16(p.detach()) - ordered_bits16(want)).abs()
         assert int(dist.max()) <= 1 and float((dist != 0).float().mean()) < 5e-3
     assert {t.dtype for t in opt.state[p].values() if t.dim()} == {F32 if fp32_states else BF16}
+
+
+# ---- the device part's kernels (optim/device_kernels.py) --------------------------------------
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("storage", STORAGE, ids=STORAGE_IDS)
+@pytest.mark.parametrize("opt", ["adam", "adamw", "adagrad", "lion"])
+@pytest.mark.parametrize("n", [7, 1023, 100_003])
+def test_device_kernels_give_the_host_kernels_bits(n, opt, storage, stochastic, monkeypatch):
+    """A bf16 device part (no offload, Twin-Flow) steps through device_kernels: host.py's
+    signature on any device, fallback_bf16's math. Same bits as the native kernel."""
+    from zerokit.optim import device_kernels
+
+    native = _run(opt, IMPLS[0], n, *storage, stochastic=stochastic)
+    calls = []
+
+    def through_device_kernels(name):
+        def step(*args, impl=None, threads=None, **kw):  # device_kernels takes no impl / threads
+            calls.append(name)
+            getattr(device_kernels, name)(*args, **kw)
+        return step
+
+    for name in ("adam_step", "adagrad_step", "lion_step"):
+        monkeypatch.setattr(host, name, through_device_kernels(name))
+    got = _run(opt, "native", n, *storage, stochastic=stochastic)
+    assert calls, "the device kernels were not called"
+    names = ["master"] + [f"state{i}" for i in range(len(got) - 2)] + ["out16"]
+    for name, a, b in zip(names, got, native):
+        diff = int((_bits(a) != _bits(b)).sum())
+        assert diff == 0, f"device_kernels vs {IMPLS[0]}: {name} differs in {diff} of {n} elements"
+
+
+def test_device_kernels_refuse_an_all_fp32_step_and_bad_buffers():
+    from zerokit.optim import device_kernels
+
+    p, g = torch.zeros(8), torch.zeros(8)
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, adamw=True)
+    with pytest.raises(ValueError, match="every buffer is fp32"):
+        device_kernels.adam_step(p, g, torch.zeros(8), torch.zeros(8), **kw)
+    with pytest.raises(ValueError, match="contiguous fp32/bf16 tensor of 8 elements"):
+        device_kernels.adam_step(p.to(BF16), g, torch.zeros(7), torch.zeros(8), **kw)
+
+
+def test_stochastic_bits_are_made_on_the_tensor_device():
+    x = torch.randn(1000)
+    a = rounding.to_bf16(x, stochastic=True, key=5, index0=3)
+    meta = rounding.sr_bits(5, 3, 1000, device="meta")
+    assert meta.device.type == "meta" and meta.shape == (1000,)
+    assert torch.equal(rounding.sr_bits(5, 3, 1000, device="cpu"), rounding.sr_bits(5, 3, 1000))
+    assert a.dtype == BF16

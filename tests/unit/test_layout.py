@@ -208,6 +208,28 @@ def test_nvme_part_beyond_the_host_budget() -> None:
     assert layout.bytes("nvme") == {"master": 960 * 4, "grads": 960 * 4}
 
 
+def test_bf16_master_on_every_tier() -> None:
+    """bf16.bf16_master_weights_and_grads: the host, nvme and device parts' masters and gradients
+    are bf16 records (2 bytes per element each), whatever tier; the 16-bit output stays the
+    compute dtype. Twin-Flow 0.5 over nvme, 2 ranks, 1000 elements: as the test above."""
+    placement = PlacementPolicy(ratio=0.5, nvme=True, ram_numel=64, master_dtype=BF16,
+                                state_dtype=BF16)
+    layout = plan(1000, 2, 0, 2, placement, dtype=BF16, reduce=F32, ram_left=64)
+    assert parts(layout) == [("host", 0, 64), ("nvme", 64, 256), ("device", 256, 512)]
+    assert [row for row in rows(layout) if row[0] not in ("weights",)] == [
+        ("master", "master", "device", BF16, 256, 512, None),
+        ("master_grad", "grads", "device", BF16, 256, 512, None),
+        ("host_master", "master", "host", BF16, 0, 64, None),
+        ("host_grad0", "grads", "host", BF16, 0, 64, None),
+        ("host_out16", "buffers", "host", BF16, 0, 64, None),
+        ("nvme_master", "master", "nvme", BF16, 64, 256, None),
+        ("nvme_grad0", "grads", "nvme", BF16, 64, 256, None),
+        ("nvme_out", "buffers", "host", BF16, 64, 256, None),
+    ]
+    assert layout.bytes("nvme") == {"master": 192 * 2, "grads": 192 * 2}
+    assert layout.bytes("device")["master"] == 256 * 2
+
+
 @pytest.mark.parametrize("ram_left,expected", [
     (0, [("nvme", 0, 1024), ("device", 1024, 1024)]),           # budget spent: all in files
     (1024, [("host", 0, 1024), ("device", 1024, 1024)]),        # fits exactly: no nvme part

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import torch
+
 from zerokit.config.ignored import format_ignored, ignored_settings
 from zerokit.logs import log
 from zerokit.sizes import mib
@@ -112,7 +114,8 @@ def _speculation_lines(engine: "Engine", placement) -> list[str]:
     the speculative step] in parts/speculation.py)."""
     if not placement.step_in_backward:
         return ["    speculative step in backward: off (offload_optimizer.step_in_backward)"]
-    held = 4 * sum(u.host_numel + u.layout.nvme_numel for u in engine.units if u.trainable)
+    master = torch.empty(0, dtype=placement.master_dtype).element_size()  # held in its dtype
+    held = master * sum(u.host_numel + u.layout.nvme_numel for u in engine.units if u.trainable)
     return [f"    speculative step in backward: on; restores "
             f"{mib(engine.ledger.bytes(tier=TierName.HOST, kind='restores'))} host (a copy of the "
             f"host parts' master + state + 16-bit output), "
@@ -130,8 +133,10 @@ def _nvme_lines(engine: "Engine", total: int) -> list[str]:
         return []
     grads = engine.ledger.bytes(tier=TierName.NVME, kind="grads")  # none with step_in_backward
     on_disk = grads + sum(engine.ledger.bytes(tier=TierName.NVME, kind=k) for k in ("master", "optimizer_state"))
+    master, state = _storage_names(getattr(engine, "placement", None))
     return [f"    {nvme:,} of {total:,} optimizer elements on NVMe on rank {engine.comm.rank}: "
-            f"{mib(on_disk)} in files (master, {'gradient, ' if grads else ''}optimizer state); "
+            f"{mib(on_disk)} in files ({master} master, {f'{master} gradient, ' if grads else ''}"
+            f"{state} optimizer state); "
             f"expected NVMe traffic per step {mib(2 * on_disk)} (each read once and written once)"]
 
 
@@ -143,7 +148,7 @@ def _offload_param_lines(engine: "Engine", placement) -> list[str]:
     if shards or not files:
         lines.append(f"    {len(shards)} weight shards on the host on rank {engine.comm.rank}: "
                      f"{mib(nbytes)} left the device (weights are there only while gathered; the "
-                     f"fp32 master is where offload_optimizer puts it)")
+                     f"master is where offload_optimizer puts it)")
     if files:
         on_disk = sum(u.nvme_shard.file.nbytes for u in files)
         micro = engine.gradient_accumulation_steps()

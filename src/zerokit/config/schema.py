@@ -160,14 +160,21 @@ class BF16Config(_Section):
     enabled: bool = False
     bf16_master_weights_and_grads: bool = Field(
         False, description="The master weights and the gradients the optimizer reads are bf16 "
-                           "(DeepSpeed 0.18+; stages 1-3). Offloaded parts: the host kernel keeps "
-                           "fp32 math, loads widen and stores round (zerokit/optim/host.py).")
+                           "(DeepSpeed 0.18+; stages 1-3), on every tier: host parts "
+                           "(`offload_optimizer` cpu), nvme parts (`offload_optimizer` nvme: bf16 "
+                           "master and gradient files, half the bytes and half the step's I/O) and "
+                           "the device part (no offload, Twin-Flow's ratio < 1). Every tier keeps "
+                           "fp32 math, loads widen and each store rounds once (the host kernel, "
+                           "zerokit/optim/host.py; its torch twin on the device, "
+                           "optim/device_kernels.py), so a unit's elements get the same bits "
+                           "wherever they are stepped.")
     bf16_optimizer_states: bool = Field(
-        False, description="Adam's moments (Adagrad's sum, Lion's exp_avg) are bf16 too; needs "
-                           "bf16_master_weights_and_grads (as DeepSpeed).")
+        False, description="Adam's moments (Adagrad's sum, Lion's exp_avg) are bf16 too, on every "
+                           "tier (bf16 state files on NVMe, bf16 tensors under torch's keys on the "
+                           "device); needs bf16_master_weights_and_grads (as DeepSpeed).")
     stochastic_rounding: bool = Field(
-        False, description="zerokit: round the bf16 master (and bf16 states) stochastically on the "
-                           "host kernel, so updates below half an ulp survive on average; "
+        False, description="zerokit: round the bf16 master (and bf16 states) stochastically on "
+                           "every tier, so updates below half an ulp survive on average; "
                            "reproducible from stochastic_rounding_seed, the step and the element "
                            "(zerokit/optim/rounding.py). Needs bf16_master_weights_and_grads.")
     stochastic_rounding_seed: Int = Field(
@@ -198,7 +205,7 @@ class OffloadOptimizerConfig(_Section):
     delayed_update: DelayedUpdateConfig = DelayedUpdateConfig()
     # device "nvme" (ZeRO-Infinity): see parts/nvme_executor.py.
     nvme_path: str | None = Field(
-        None, description="device 'nvme': the directory the fp32 master, gradient and optimizer state files "
+        None, description="device 'nvme': the directory the master, gradient and optimizer state files "
                           "go in (a zerokit-swap/rank<r>-<pid>-<hex> directory of the engine's own under it, "
                           "locked while the engine lives, removed on close).")
     buffer_count: Int = Field(

@@ -78,11 +78,12 @@ def initialize(model: nn.Module, optimizer: Any = None,
     placement = PlacementPolicy.from_config(cfg.zero_optimization)
     plan = functools.partial(plan_layouts, groups, comm.world_size, comm.rank,
                              comm.device.type == "cuda", policy, dtype, reduce_dtype(cfg), batch[2])
+    # bf16 master / state (their bytes are what "auto" weighs, and everything below counts)
+    placement = bf16_state.with_state_dtypes(cfg, placement, optimizer)
     if placement.auto:
         placement = _auto_ratio(placement, plan, comm.device, dtype)
     # Where every byte goes is decided here, before anything is allocated: a plan the host
     # cannot hold is refused with the numbers (engine/host_budget.py).
-    placement = bf16_state.with_state_dtypes(cfg, placement, optimizer)
     avail, source = host_budget.available_host_bytes()
     freed = constructed_host_bytes(model)  # zero.Init's shards, freed as the units are laid out
     if freed:
@@ -181,8 +182,11 @@ def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
     paths = []
     if largest:
-        second_slot = host_budget.speculation_need(layouts, kind)[2] if placement.step_in_backward else 0
-        nvme_plan.check_nvme_path(zero.offload_optimizer.nvme_path, nvme_plan.nvme_need(layouts, kind)
+        second_slot = (host_budget.speculation_need(layouts, kind, placement.master_dtype,
+                                                    placement.state_dtype)[2]
+                       if placement.step_in_backward else 0)
+        nvme_plan.check_nvme_path(zero.offload_optimizer.nvme_path,
+                                  nvme_plan.nvme_need(layouts, kind, placement.state_dtype)
                                   + second_slot + (nvme_plan.weight_need(layouts) if shards and _same_disk(
                                       zero.offload_param.nvme_path, zero.offload_optimizer.nvme_path)
                                      else 0))
@@ -254,7 +258,10 @@ def _auto_ratio(placement: PlacementPolicy, plan, device: torch.device, dtype: t
 
     all_on_device = plan(dataclasses.replace(placement, ratio=0.0, auto=False))
     numel = sum(layout.opt_range[1] - layout.opt_range[0] for layout in all_on_device if layout.parts)
-    ratio, why = choose_ratio(numel, device, (4 if dtype != torch.float32 else 0) + 8 + 4)
+    master = torch.empty(0, dtype=placement.master_dtype).element_size()
+    state = 8 * torch.empty(0, dtype=placement.state_dtype).element_size() // 4  # Adam's two
+    # per element on the device: master (none of its own in fp32 training) + state + gradient
+    ratio, why = choose_ratio(numel, device, (master if dtype != torch.float32 else 0) + state + master)
     # Rank 0's reason is in the start-up plan (placement.describe); each rank's at debug.
     logging.getLogger("zerokit").debug("offload_optimizer.ratio auto: %s", why)
     return dataclasses.replace(placement, ratio=ratio, auto=False, auto_reason=why)

@@ -9,9 +9,12 @@ dtypes, checked against what zerokit has wired, and the host parts told how to s
     bf16.stochastic_rounding (+ _seed)   zerokit: the host kernel rounds bf16 stores
                                          stochastically (zerokit/optim/rounding.py)
 
-Wired: the host parts (offload_optimizer device 'cpu', ratio 1). Not yet: the device part
-(no offload, or Twin-Flow's ratio < 1) and the nvme parts; those raise NotImplementedError naming
-the combination here, at initialize, instead of quietly training an fp32 state.
+Wired on every part kind, stages 1-3: host parts (offload_optimizer device 'cpu'), nvme parts
+(device 'nvme': bf16 files, 2 bytes per element each, streamed through the same host kernel) and
+the device part (no offload, or Twin-Flow's ratio < 1: the host kernel's math in torch on the
+device, optim/device_kernels.py), so a unit's elements get the same bits whichever tier steps
+them. What has no bf16 kernel (an optimizer other than Adam/AdamW, Adagrad, Lion; amsgrad) raises
+NotImplementedError when the device executor is built (parts/executors.py).
 """
 from __future__ import annotations
 
@@ -21,7 +24,6 @@ from typing import Any
 import torch
 
 from zerokit.policy import PlacementPolicy
-from zerokit.tier_names import TierName
 
 _GOLDEN64 = 0x9E3779B97F4A7C15
 
@@ -39,19 +41,6 @@ def with_state_dtypes(cfg, placement: PlacementPolicy, optimizer: Any) -> Placem
                          f"{type(optimizer).__name__} constructed with fp32_optimizer_states=False "
                          "(as in DeepSpeed), so its moments are stored in bf16")
     bf16_states = b.bf16_optimizer_states or fp32_states is False
-    combo = (f"bf16.bf16_master_weights_and_grads with "
-             f"{'bf16' if bf16_states else 'fp32'} optimizer states")
-    off = cfg.zero_optimization.offload_optimizer
-    if placement.nvme:
-        raise NotImplementedError(
-            f"{combo} on offload_optimizer device 'nvme' is not implemented yet (issue #27: the "
-            f"nvme parts' files stay fp32); use offload_optimizer device 'cpu'")
-    if placement.ratio < 1.0:
-        where = ("without offload_optimizer" if not placement.offloads
-                 else f"with offload_optimizer.ratio {off.ratio} (Twin-Flow's device part)")
-        raise NotImplementedError(
-            f"{combo} {where} is not implemented yet (issue #27: the device part's master stays "
-            f"fp32); use offload_optimizer device 'cpu' with ratio 1")
     return dataclasses.replace(
         placement, master_dtype=torch.bfloat16,
         state_dtype=torch.bfloat16 if bf16_states else torch.float32,
@@ -59,14 +48,12 @@ def with_state_dtypes(cfg, placement: PlacementPolicy, optimizer: Any) -> Placem
 
 
 def configure_parts(units: list, placement: PlacementPolicy) -> None:
-    """Each host part's state dtype and rounding arguments, before the executors bind (and
-    allocate the state). Each unit draws from its own seed and each element from its index in
-    the unit's flat index space, which no world size changes: a resharded or resumed run rounds
-    with the same bits."""
+    """Each part's state dtype and rounding arguments (host, nvme and device parts alike), before
+    the executors bind (and allocate the state). Each unit draws from its own seed and each
+    element from its index in the unit's flat index space, which no world size, Twin-Flow split
+    or sub-group changes: a resharded or resumed run rounds with the same bits."""
     for unit in units:
         for part in getattr(unit, "parts", ()):
-            if part.tier is not TierName.HOST:
-                continue
             part.state_dtype = placement.state_dtype
             if placement.stochastic_rounding:
                 seed = (placement.rounding_seed + (unit.index + 1) * _GOLDEN64) % 2**64

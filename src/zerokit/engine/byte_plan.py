@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
 from zerokit.engine import host_budget
 from zerokit.parts.nvme_executor import StreamSettings, buffer_set_bytes
 from zerokit.policy import PartitionPolicy, PlacementPolicy
@@ -69,7 +68,8 @@ def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
         need.grads += held
     largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
     if largest:
-        need.buffers += buffer_set_bytes(stream_settings(cfg, placement), kind, largest)
+        need.buffers += buffer_set_bytes(stream_settings(cfg, placement), kind, largest,
+                                         placement.master_dtype, placement.state_dtype)
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
     if shards:  # the shards read ahead (buffer_count) and the one a gather reads now: at most
         # the largest buffer_count + 1 of them (a larger shard than buffer_size is not read ahead)
@@ -83,11 +83,12 @@ def planned_bytes(cfg, placement: PlacementPolicy, layouts: list[UnitLayout],
                   kind: str | None) -> dict[TierName, dict[str, int]]:
     """The model states' bytes on this rank per tier and ledger kind under `placement`: the
     layouts' persistent device and nvme records, the optimizer state of the device and nvme
-    parts (STATE_BYTES_PER_ELEMENT per element, an unknown optimizer counted as Adam), the nvme
+    parts (STATE_BYTES_PER_ELEMENT per element, halved with bf16.bf16_optimizer_states; an unknown
+    optimizer counted as Adam), the nvme
     parts' second file slot when stepping in backward, and `planned_host_need` on the host.
     Transients (stage 3's gathered weights, the reductions' buffers, activations) are not in it."""
     out = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
-    state = STATE_BYTES_PER_ELEMENT.get(kind or "", 8)
+    state = host_budget.state_bytes_per_element(kind, placement.state_dtype)
     device, host, nvme = (out[t] for t in (TierName.DEVICE, TierName.HOST, TierName.NVME))
     for lay in layouts:
         for k, n in lay.bytes(TierName.DEVICE, transient=False).items():
@@ -97,7 +98,8 @@ def planned_bytes(cfg, placement: PlacementPolicy, layouts: list[UnitLayout],
         device["optimizer_state"] += state * sum(p.numel for p in lay.parts if p.tier is TierName.DEVICE)
         nvme["optimizer_state"] += state * lay.nvme_numel
     if placement.step_in_backward:  # the nvme parts' second file slot (parts/speculation.py)
-        nvme["restores"] += host_budget.speculation_need(layouts, kind)[2]
+        nvme["restores"] += host_budget.speculation_need(layouts, kind, placement.master_dtype,
+                                                         placement.state_dtype)[2]
     need = planned_host_need(cfg, placement, layouts, kind)
     for k, name in HOST_FIELDS.items():
         host[k] += getattr(need, name)

@@ -58,7 +58,7 @@ COUNTERS = ("global_steps", "micro_steps", "skipped_steps", "global_samples")
 
 
 def unit_record(u: "Unit") -> UnitRecord:
-    # One dtype per unit's master: the parts of a bf16-master unit are all host parts (bf16_state.py).
+    # One dtype per unit's master: every part of a unit has the placement's (engine/bf16_state.py).
     master = next((p.master.dtype for p in u.parts), torch.float32)
     return UnitRecord(u.name, u.numel, u.padded_numel, u.shard_numel, u.trainable, u.group_index,
                       u.compute_dtype, tuple(ParamRecord(s.fqn, tuple(s.shape), s.offset, s.numel)
@@ -225,8 +225,9 @@ def _load_optimizer(engine: "Engine", fill: Fill, records: dict[str, UnitRecord]
         for k in unit.keys:
             # Reuse this optimizer's tensor where it has one: fresh memory costs page faults.
             t = old.get(k)
-            if not (torch.is_tensor(t) and t.shape == u.master.shape and t.dtype == torch.float32):
-                t = torch.empty_like(u.master, dtype=torch.float32)
+            dtype = device.state_dtype  # fp32, or bf16 (bf16.bf16_optimizer_states)
+            if not (torch.is_tensor(t) and t.shape == u.master.shape and t.dtype == dtype):
+                t = torch.empty_like(u.master, dtype=dtype)
             fill(LoadPiece(records[u.name], f"optim.{k}", device.lo, device.hi, t, zero_rest=True))
             state[k] = t
         opt.state[u.master] = state

@@ -56,9 +56,7 @@ def host_need(layouts: list, optimizer_kind: str | None,
     records (a weight shard's NVMe buffer) are not: only the read-ahead's few exist at once
     (engine/byte_plan.py planned_host_need adds them)."""
     need = HostNeed()
-    per_element = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
-    if state_dtype == torch.bfloat16:
-        per_element //= 2  # the table counts fp32 states
+    per_element = state_bytes_per_element(optimizer_kind, state_dtype)
     for layout in layouts:
         for kind, nbytes in layout.bytes(TierName.HOST, transient=False).items():
             field = _FIELD[kind]
@@ -74,15 +72,22 @@ def speculation_need(layouts: list, optimizer_kind: str | None,
     parts/speculation.py): (gradients held in host memory until the step decides, every
     offloaded element's; the host parts' restores: master, state and 16-bit output; the nvme
     parts' second file slot: master and state). A host part's held gradient and restores are in
-    its master's and state's dtypes (bf16.bf16_master_weights_and_grads / bf16_optimizer_states);
-    nvme parts are fp32."""
-    state = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
+    its master's and state's dtypes (bf16.bf16_master_weights_and_grads / bf16_optimizer_states),
+    as are an nvme part's held gradient and second file slot."""
     master = torch.empty(0, dtype=master_dtype).element_size()
-    host_state = state // 2 if state_dtype == torch.bfloat16 else state  # the table counts fp32
-    held = sum(master * lay.host_numel + 4 * lay.nvme_numel for lay in layouts)
+    state = state_bytes_per_element(optimizer_kind, state_dtype)
+    held = sum(master * (lay.host_numel + lay.nvme_numel) for lay in layouts)
     out16 = sum(lay.record("host_out16").nbytes for lay in layouts if lay.has("host_out16"))
-    host = sum((master + host_state) * lay.host_numel for lay in layouts) + out16
-    return held, host, sum((4 + state) * lay.nvme_numel for lay in layouts)
+    host = sum((master + state) * lay.host_numel for lay in layouts) + out16
+    return held, host, sum((master + state) * lay.nvme_numel for lay in layouts)
+
+
+def state_bytes_per_element(optimizer_kind: str | None,
+                            state_dtype: torch.dtype = torch.float32) -> int:
+    """Optimizer state bytes per master element (an optimizer of unknown kind counted as Adam):
+    STATE_BYTES_PER_ELEMENT counts fp32 states; bf16.bf16_optimizer_states halves them."""
+    per_element = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
+    return per_element // 2 if state_dtype == torch.bfloat16 else per_element
 
 
 def available_host_bytes() -> tuple[int, str]:

@@ -1,7 +1,8 @@
 """Refusing an NVMe plan the swap directory cannot hold, at start-up, with the numbers and the path.
 
-With offload_optimizer device 'nvme' each rank keeps the fp32 master, gradient and optimizer state of its
-nvme parts in files under `nvme_path` (tiers/nvme.py). Before anything is allocated
+With offload_optimizer device 'nvme' each rank keeps the master, gradient and optimizer state of its
+nvme parts in files under `nvme_path` (tiers/nvme.py): fp32, or bf16 with
+bf16.bf16_master_weights_and_grads / bf16_optimizer_states (half the bytes). Before anything is allocated
 `check_nvme_path` checks that the path exists, is a directory, can be written, and has room for
 what every rank on this machine will reserve; each failure names the path and the numbers.
 `nvme_need` is the bytes this rank reserves, `step_traffic` what one step reads and writes.
@@ -15,8 +16,9 @@ import os
 import shutil
 import tempfile
 
-from zerokit.engine.host_budget import local_ranks, size
-from zerokit.config.plan import STATE_BYTES_PER_ELEMENT
+import torch
+
+from zerokit.engine.host_budget import local_ranks, size, state_bytes_per_element
 from zerokit.tier_names import TierName
 
 
@@ -24,10 +26,12 @@ class NvmePathError(OSError):
     """offload_optimizer.nvme_path cannot hold the plan."""
 
 
-def nvme_need(layouts: list, optimizer_kind: str | None) -> int:
-    """Bytes this rank's nvme parts reserve: the fp32 master and gradient records plus the
-    optimizer state, allocated at bind (an optimizer of unknown kind counted as Adam)."""
-    state = STATE_BYTES_PER_ELEMENT.get(optimizer_kind or "", 8)
+def nvme_need(layouts: list, optimizer_kind: str | None,
+              state_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes this rank's nvme parts reserve: the master and gradient records (in the records'
+    dtype) plus the optimizer state, allocated at bind in `state_dtype` (an optimizer of unknown
+    kind counted as Adam)."""
+    state = state_bytes_per_element(optimizer_kind, state_dtype)
     on_nvme = [layout.bytes(TierName.NVME) for layout in layouts]
     return sum(files.get("master", 0) + files.get("grads", 0) + state * layout.nvme_numel
                for files, layout in zip(on_nvme, layouts))
@@ -45,15 +49,16 @@ def weight_traffic(layouts: list, micro_steps: int) -> tuple[int, int]:
     return 2 * micro_steps * need, need
 
 
-def step_traffic(layouts: list, optimizer_kind: str | None) -> int:
+def step_traffic(layouts: list, optimizer_kind: str | None,
+                 state_dtype: torch.dtype = torch.float32) -> int:
     """NVMe bytes one step moves on this rank: every nvme element's master, gradient and state
     written once and read once."""
-    return 2 * nvme_need(layouts, optimizer_kind)
+    return 2 * nvme_need(layouts, optimizer_kind, state_dtype)
 
 
 def check_nvme_path(path: str, need: int, ranks: int | None = None,
                     free: int | None = None, *, section: str = "offload_optimizer",
-                    what: str = "fp32 master, gradient and optimizer state on NVMe") -> None:
+                    what: str = "master, gradient and optimizer state on NVMe") -> None:
     """Raises NvmePathError when `ranks` ranks each reserving `need` bytes cannot use `path`
     (`section`'s nvme_path, holding `what`)."""
     key = f"zero_optimization.{section}.nvme_path"

@@ -346,7 +346,7 @@ def step_time(inputs: PlanInputs, placement: PlacementPolicy, layouts: list,
                  if lay.has("shard") and lay.record("shard").tier is not TierName.DEVICE)
     parts = {"device Adam": dev / bw.device_adam, "host Adam": off / bw.host_adam,
              "host copies": (2 * m * shards + (master + elem) * off) / bw.host_copy}
-    files = nvme_plan.nvme_need(layouts, inputs.kind) if placement.nvme else 0
+    files = nvme_plan.nvme_need(layouts, inputs.kind, placement.state_dtype) if placement.nvme else 0
     w_read, w_write = nvme_plan.weight_traffic(layouts, m)
     if files or w_read:
         parts["disk read"] = (files + w_read) / bw.disk_read

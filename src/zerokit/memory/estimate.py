@@ -9,7 +9,9 @@ The estimate is the engine's own plan, run on a model that lives on the meta dev
   `planned_host_need` (the host records, the host parts' optimizer state, the NVMe stream's
   buffer sets, the shards read ahead, the held gradients' pool); device optimizer state is
   STATE_BYTES_PER_ELEMENT (config/plan.py) per device-part element, nvme optimizer state the
-  same per nvme-part element (engine/nvme_plan.py's rule);
+  same per nvme-part element (engine/nvme_plan.py's rule), halved with bf16.bf16_optimizer_states;
+  masters and gradients follow the placement's dtypes (engine/bf16_state.py `with_state_dtypes`,
+  as at initialize);
 - stage 3's gathered weights are the real scheduler's peak over the model's use order
   (engine/gathered_peak.py), and the reduction's gradient buffers those units/unit.py
   `launch_reduce` allocates (byte_plan.py `reduce_buffer_bytes`: as many alive as the engine
@@ -29,6 +31,7 @@ import torch
 from zerokit.config import load_config, resolve_auto
 from zerokit.engine.byte_plan import plan_layouts, planned_bytes, reduce_buffer_bytes
 from zerokit.engine.gathered_peak import gathered_peak_numel
+from zerokit.engine.bf16_state import with_state_dtypes
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.memory.activations import measure_forward, token_batch
 from zerokit.memory.sources import source_of
@@ -87,6 +90,7 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
     if placement.auto:
         raise ValueError("offload_optimizer.ratio 'auto' is chosen at initialize from rates measured "
                          "on the machine; give a number in [0, 1] to estimate")
+    placement = with_state_dtypes(cfg, placement, None)  # bf16 master / state keys
     _, micro, accumulation = cfg.resolve_batch(world_size)
     recipe = recipe_from(src.model, None, None, cfg.optimizer)
     groups = group_parameters(src.model, select_modules(src.model, wrap), recipe.group_of)
@@ -151,7 +155,8 @@ def _config(config: dict | None, stage, offload_optimizer, offload_param, dtype,
     if dtype is not None:
         if dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be 'fp32', 'bf16' or 'fp16' (got {dtype!r})")
-        cfg["bf16"] = {"enabled": dtype == "bf16"}
+        # bf16's other keys (bf16_master_weights_and_grads, ...) stay where bf16 is on
+        cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": True} if dtype == "bf16" else {"enabled": False}
         cfg["fp16"] = {"enabled": dtype == "fp16"}
     return cfg
 

@@ -54,9 +54,10 @@ def _lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sr_bits(key: int, index0: int, n: int) -> torch.Tensor:
-    """The 16 random bits (int64, in [0, 65536)) of elements index0 .. index0 + n - 1."""
-    idx = torch.arange(index0, index0 + n, dtype=torch.int64) & _M32
+def sr_bits(key: int, index0: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16 random bits (int64, in [0, 65536)) of elements index0 .. index0 + n - 1, made on
+    `device` (the device part of a unit steps there: optim/device_kernels.py)."""
+    idx = torch.arange(index0, index0 + n, dtype=torch.int64, device=device) & _M32
     return _lowbias32(_mul32(idx, INDEX_MUL) ^ key) >> 16
 
 
@@ -67,6 +68,6 @@ def to_bf16(x: torch.Tensor, *, stochastic: bool = False, key: int = 0,
     if not stochastic:
         return x.to(torch.bfloat16)
     u = x.view(torch.int32).to(torch.int64) & _M32
-    r = (u + sr_bits(key, index0, x.numel())) >> 16
+    r = (u + sr_bits(key, index0, x.numel(), x.device)) >> 16
     r = torch.where(torch.isnan(x), torch.full_like(r, 0x7FC0), r)
     return torch.where(r >= 0x8000, r - 0x10000, r).to(torch.int16).view(torch.bfloat16)

@@ -13,7 +13,10 @@ class DevicePart:
     """The device part: master and gradient on the compute device, stepped by torch's optimizer.
 
     `master` is the nn.Parameter torch's optimizer holds; where the layout makes it a view of the
-    weights (fp32 compute), `in_place` is True and nothing is copied after the step.
+    weights (fp32 compute), `in_place` is True and nothing is copied after the step. A bf16 master
+    (bf16.bf16_master_weights_and_grads) is stepped by the host kernel's math on the device
+    (parts/executors.py DeviceExecutor), its state in `state_dtype`, rounded with `rounding`
+    (both set by engine/bf16_state.py `configure_parts`, as for host parts).
     """
 
     tier = TierName.DEVICE
@@ -26,6 +29,8 @@ class DevicePart:
         self._home = home  # the weights' elements this part's master updates
         self.in_place = in_place
         self._adds = shard_gradients  # see [Note: one reduction, one meaning] in units/unit.py
+        self.state_dtype = torch.float32
+        self.rounding: dict = {}
 
     @property
     def numel(self) -> int:
@@ -57,7 +62,7 @@ class DevicePart:
             return  # fp32: the master is these weights
         with torch.no_grad():
             changed = new != self.master.to(new.dtype)
-            self.master[changed] = new[changed].float()
+            self.master[changed] = new[changed].to(self.master.dtype)
 
     def master_values(self) -> torch.Tensor:
         return self.master.detach()

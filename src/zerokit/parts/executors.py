@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from zerokit.parts.kernel_part import KernelOperands, KernelPart
+from zerokit.parts.kernel_part import STATE_NAMES, KernelOperands, KernelPart
 from zerokit.parts.speculation import HostRestore, SpeculativeStep
 from zerokit.states import ExecutorState, move
 from zerokit.optim.recipe import state_bytes
@@ -45,8 +45,11 @@ SUPPORTED = ("Adam, AdamW, Adagrad and Lion (config types), torch.optim.Adam/Ada
              "zerokit.optim.Lion instances")
 
 
-def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[KernelOperands, dict, float], None]]:
-    """(state family, step function) for the optimizer whose hyper-parameters the host follows."""
+def kernel_for(optimizer: torch.optim.Optimizer, kernels: Any = K
+               ) -> tuple[str, Callable[[KernelOperands, dict, float], None]]:
+    """(state family, step function) for the optimizer whose hyper-parameters the host follows.
+    `kernels`: the module whose adam_step / adagrad_step / lion_step run it (optim/host.py, or
+    optim/device_kernels.py for a bf16 device part: the same arguments, the same bits)."""
     kind = type(optimizer)
     # Subclasses count (DeepSpeed's names in zerokit.compat.deepspeed.ops are subclasses).
     if issubclass(kind, (torch.optim.Adam, torch.optim.AdamW, HostAdam)):
@@ -54,25 +57,28 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> tuple[str, Callable[[KernelO
             adamw = g["adamw_mode"] if issubclass(kind, HostAdam) else \
                 issubclass(kind, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
             b1, b2 = g["betas"]
-            K.adam_step(s.master, s.grad, s.state["exp_avg"], s.state["exp_avg_sq"],
-                        lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
-                        step=s.step, adamw=adamw, bias_correction=g.get("bias_correction", True),
-                        grad_scale=-coef if g.get("maximize") else coef, out16=s.out16, **s.rounding)
+            kernels.adam_step(s.master, s.grad, s.state["exp_avg"], s.state["exp_avg_sq"],
+                              lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"],
+                              weight_decay=g["weight_decay"], step=s.step, adamw=adamw,
+                              bias_correction=g.get("bias_correction", True),
+                              grad_scale=-coef if g.get("maximize") else coef, out16=s.out16,
+                              **s.rounding)
         return "adam", adam
     if issubclass(kind, (torch.optim.Adagrad, HostAdagrad)):
         def adagrad(s: KernelOperands, g: dict, coef: float) -> None:
-            K.adagrad_step(s.master, s.grad, s.state["sum"], lr=g["lr"], eps=g["eps"],
-                           weight_decay=g["weight_decay"], step=s.step, lr_decay=g["lr_decay"],
-                           grad_scale=-coef if g.get("maximize") else coef, out16=s.out16,
-                           **s.rounding)
+            kernels.adagrad_step(s.master, s.grad, s.state["sum"], lr=g["lr"], eps=g["eps"],
+                                 weight_decay=g["weight_decay"], step=s.step,
+                                 lr_decay=g["lr_decay"],
+                                 grad_scale=-coef if g.get("maximize") else coef, out16=s.out16,
+                                 **s.rounding)
         return "adagrad", adagrad
     if issubclass(kind, (HostLion, Lion)):
         def lion(s: KernelOperands, g: dict, coef: float) -> None:
             b1, b2 = g["betas"]
-            K.lion_step(s.master, s.grad, s.state["exp_avg"], lr=g["lr"], beta1=b1,
-                        beta2=b2, weight_decay=g["weight_decay"],
-                        grad_scale=-coef if g.get("maximize") else coef, out16=s.out16,
-                        step=s.step, **s.rounding)
+            kernels.lion_step(s.master, s.grad, s.state["exp_avg"], lr=g["lr"], beta1=b1,
+                              beta2=b2, weight_decay=g["weight_decay"],
+                              grad_scale=-coef if g.get("maximize") else coef, out16=s.out16,
+                              step=s.step, **s.rounding)
         return "lion", lion
     raise TypeError(f"zero_optimization.offload_optimizer: optimizer {kind.__module__}.{kind.__name__} "
                     f"has no host kernel; offload supports {SUPPORTED}")
@@ -100,6 +106,11 @@ class DeviceExecutor:
     (torch's `optimizer.zero_grad()` sets it to None): it is linked here, for the step only.
     Units no rank produced a gradient for keep None, so torch skips them, as it skips
     parameters without a gradient.
+
+    A bf16 master (bf16.bf16_master_weights_and_grads) is not stepped by torch's optimizer, whose
+    math would run in bf16: the host kernel's math steps it, through the torch fallback on the
+    device (optim/device_kernels.py; `_step_bf16`), with its state in torch's optimizer state
+    under torch's keys (checkpoints and state dicts read it there), in the part's `state_dtype`.
     """
 
     def __init__(self, units: list, optimizer: torch.optim.Optimizer, ledger):
@@ -107,6 +118,22 @@ class DeviceExecutor:
         self.optimizer = optimizer
         self.state = ExecutorState.IDLE
         self.ledger = ledger
+        self._bf16_step = None  # (family, step function) where the masters are bf16
+        if any(u.master.dtype == torch.bfloat16 for u in self.units):
+            from zerokit.optim import device_kernels
+
+            try:
+                self._bf16_step = kernel_for(optimizer, device_kernels)
+            except TypeError:
+                raise NotImplementedError(
+                    f"bf16.bf16_master_weights_and_grads: {type(optimizer).__name__} has no bf16 "
+                    f"master kernel for the device part; zerokit steps bf16 masters with "
+                    f"{SUPPORTED}") from None
+            if any(g.get("amsgrad") for g in optimizer.param_groups):
+                raise NotImplementedError("bf16.bf16_master_weights_and_grads with amsgrad=True "
+                                          "is not implemented; set amsgrad=False")
+            self._group = {id(p): gi for gi, g in enumerate(optimizer.param_groups)
+                           for p in g["params"]}
 
     def _move(self, new: ExecutorState) -> None:
         self.state = move(self.state, new, "the device optimizer executor")
@@ -116,11 +143,41 @@ class DeviceExecutor:
 
     def launch(self, coef: float, skip: set) -> None:
         self._move(ExecutorState.RUNNING)
+        if self._bf16_step is not None:
+            self._step_bf16(coef, skip)
+            return
         for u in self.units:
             if coef != 1.0:
                 u.master_grad.mul_(coef)
             u.master.grad = None if u in skip else u.master_grad
         self.optimizer.step()
+
+    def _step_bf16(self, coef: float, skip: set) -> None:
+        """The device parts of bf16 masters, each as the host kernel steps a host part: `coef`
+        fused as the kernel's grad_scale (the bf16 gradient is not rescaled in place), the state
+        created at the first step in the part's state dtype (torch's keys, `step` a float
+        tensor as torch keeps it), the part's rounding arguments (engine/bf16_state.py)."""
+        family, step_fn = self._bf16_step
+        groups = self.optimizer.param_groups
+        with torch.no_grad():
+            for u in self.units:
+                if u in skip:
+                    continue
+                part = u.parts[-1]
+                state = self.optimizer.state[u.master]
+                steps = int(state["step"].item()) + 1 if "step" in state else 1
+                for key in STATE_NAMES[family]:
+                    t = state.get(key)
+                    if steps == 1:  # fresh (torch's Adagrad made its sum in the master's dtype)
+                        fill = groups[self._group[id(u.master)]].get("initial_accumulator_value", 0.0)
+                        t = torch.full_like(u.master, fill if family == "adagrad" else 0.0,
+                                            dtype=part.state_dtype)
+                    state[key] = t.detach().to(part.state_dtype)
+                state["step"] = torch.tensor(float(steps), dtype=torch.float32)
+                ops = KernelOperands(u.master.detach(), u.master_grad,
+                                     {k: state[k] for k in STATE_NAMES[family]}, None, steps,
+                                     part.rounding)
+                step_fn(ops, groups[self._group[id(u.master)]], coef)
 
     def finish(self) -> None:
         for u in self.units:

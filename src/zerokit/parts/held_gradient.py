@@ -1,7 +1,7 @@
 """Gradients held in host memory, never in a file (offload_optimizer.step_in_backward).
 
 [Note: held gradients]
-Stepped in backward (parts/speculation.py), a host or nvme part's fp32 gradient lives in a host
+Stepped in backward (parts/speculation.py), a host or nvme part's gradient (the master's dtype) lives in a host
 buffer of the part's own, allocated when its first piece lands and kept step after step (a fresh
 buffer per step would pay its page faults again each time: seconds per step at 1B); an nvme
 part's gradient never goes to a file. It is held until the step decides: a rollback steps again

@@ -136,5 +136,5 @@ class HostPart(PartSpan):
         self.wait()
         new = new.to("cpu")
         changed = new != self.master.to(new.dtype)
-        self.master[changed] = new[changed].float()
+        self.master[changed] = new[changed].to(self.master.dtype)
         self.out.absorb(changed, new)

@@ -1,7 +1,8 @@
 """The nvme part of a unit's optimizer range: master, optimizer state and gradient in files.
 
-See [Note: optimizer parts] in parts/__init__.py. An `NvmePart` keeps its fp32 master, optimizer
-state and gradient as `FileRange`s on the nvme tier (tiers/nvme.py) where a host part keeps host
+See [Note: optimizer parts] in parts/__init__.py. An `NvmePart` keeps its master, optimizer
+state and gradient as `FileRange`s (fp32, or bf16 with bf16.bf16_master_weights_and_grads /
+bf16_optimizer_states: 2 bytes per element per file, the host part's dtypes) on the nvme tier (tiers/nvme.py) where a host part keeps host
 tensors (as DeepSpeed swaps its fp32 gradient partitions); only its new compute-dtype weights
 (`out16`, whatever the dtype; with offload_param and no delay, the host shard itself) stay in
 host memory, written back through the same `WeightsOut` a host part holds (parts/kernel_part.py).
@@ -45,13 +46,15 @@ GRAD_WRITES_IN_FLIGHT_BYTES = 64 << 20
 
 
 class FileGradient:
-    """A part's fp32 gradient in its file range, written as reduced pieces arrive.
+    """A part's gradient in its file range (the master's dtype: fp32, or bf16), written as
+    reduced pieces arrive.
 
     [Note: gradients on NVMe]
     A piece is copied out of the reduction's bucket into a host buffer and written
     asynchronously (at most GRAD_WRITES_IN_FLIGHT_BYTES in flight). The file is not zeroed
     after a step: `clear()` forgets what was written, a piece landing on elements already written
-    since (gradient accumulation) is read, added to and written back, and elements no piece
+    since (gradient accumulation) is read, the piece added to it (in the file's dtype, as the host
+    part adds into its gradient buffer: bf16 sums round alike) and written back, and elements no piece
     reached are written as zeros before the step reads them (`zero_unwritten`). The sum of squares
     is taken from each piece as it is written (float64), so the norm costs no second read; only
     after an accumulation that re-cut earlier pieces is the file read to recompute it.
@@ -65,24 +68,25 @@ class FileGradient:
 
     def add(self, piece: torch.Tensor, offset: int) -> None:
         lo, hi = offset, offset + piece.numel()
-        buf = host_buffer(hi - lo)
-        buf.copy_(piece)
         overlapped = [r for r in self._written if r[0] < hi and lo < r[1]]
         if overlapped:  # accumulation: the earlier value of these elements, plus this piece
             self.settle()
-            earlier = read_range(self.nvme, self.range.narrow(lo, hi - lo))
+            buf = read_range(self.nvme, self.range.narrow(lo, hi - lo))
             for gap_lo, gap_hi in uncovered(lo, hi, overlapped):  # never written since clear: zero
-                earlier[gap_lo - lo:gap_hi - lo] = 0.0
-            buf.add_(earlier)
+                buf[gap_lo - lo:gap_hi - lo] = 0.0
+            buf.add_(piece.to("cpu"))  # earlier + piece, rounded once to the file's dtype
             for a, b in overlapped:  # what lies outside this piece stays written
                 del self._written[(a, b)]
                 for rest in ((a, lo), (hi, b)):
                     if rest[0] < rest[1]:
                         self._written[rest] = 0.0  # its share of the sum is unknown now
                         self._exact = False
+        else:
+            buf = host_buffer(hi - lo, self.range.dtype)
+            buf.copy_(piece)
         self._written[(lo, hi)] = host_kernels.grad_sq_norm(buf)[0]  # the host part's kernel
         self._writes.append((self.nvme.write(self.range.narrow(lo, hi - lo), buf), buf))
-        while sum(b.numel() * 4 for _, b in self._writes) > GRAD_WRITES_IN_FLIGHT_BYTES:
+        while sum(b.numel() * b.element_size() for _, b in self._writes) > GRAD_WRITES_IN_FLIGHT_BYTES:
             self._writes.pop(0)[0].wait()
 
     def settle(self) -> None:
@@ -130,12 +134,13 @@ class NvmeSlots:
         return self.masters[1] is not None
 
     def add_second(self, nvme: NvmeTier, name: str) -> None:
-        """Reserve the second slot (the same files' sizes, kind "restores" in the ledger)."""
+        """Reserve the second slot (the same files' sizes and dtypes, kind "restores" in the
+        ledger: bf16 master / state files have a bf16 second slot)."""
         first = self.masters[0]
         self.masters[1] = nvme.allocate(f"{name}/nvme_master.slot1", "restores", first.numel,
-                                        torch.float32)
+                                        first.dtype)
         self.states[1] = {k: nvme.allocate(f"{name}/nvme_state.{k}.slot1", "restores", r.numel,
-                                           torch.float32) for k, r in self.states[0].items()}
+                                           r.dtype) for k, r in self.states[0].items()}
 
     def write_other(self) -> None:
         """The next stream of this part writes the slot that is not live."""
@@ -149,7 +154,7 @@ class NvmeSlots:
 
 
 class NvmePart(PartSpan):
-    """The nvme part: fp32 master, optimizer state and gradient in files on the nvme tier, the
+    """The nvme part: master, optimizer state and gradient in files on the nvme tier, the
     new weights in host memory (or in the shard's file); stepped a sub-group at a time by the
     streaming executor (parts/nvme_executor.py). A `KernelPart` (parts/kernel_part.py), as the
     host part is; both are a `PartSpan` (a range of the unit's optimizer range whose new weights
@@ -164,7 +169,7 @@ class NvmePart(PartSpan):
         self.slots = NvmeSlots(master)  # master and state: see NvmeSlots
         # one gradient file, two with the delayed update (the stream reads one, backward writes
         # the other; swap_grads flips `current`); none with step_in_backward: held in memory
-        self.held = None if grad_files else HeldGradient(self.numel)
+        self.held = None if grad_files else HeldGradient(self.numel, master.dtype)
         self.gradients: list[FileGradient | HeldGradient] = (
             [FileGradient(nvme, g) for g in grad_files] if grad_files else [self.held])
         self.current = 0
@@ -176,10 +181,15 @@ class NvmePart(PartSpan):
         self.group = 0  # the optimizer param group whose hyper-parameters apply (bound later)
         self.gradient_in_flight: FileGradient | HeldGradient | None = None  # what the stream reads
         self.busy = None  # the executor worker that may write master/state (executors.WorkerDone)
+        # bf16.bf16_optimizer_states: the state files' dtype; bf16.stochastic_rounding: the
+        # kernel's rounding arguments, index_base the part's first element (each sub-group adds
+        # its offset). Set by the engine, engine/bf16_state.py `configure_parts`, as for host parts.
+        self.state_dtype = torch.float32
+        self.rounding: dict = {}
 
     @property
     def master(self) -> FileRange:
-        """The live fp32 master (what the stream reads)."""
+        """The live master (what the stream reads)."""
         return self.slots.masters[self.slots.live]
 
     @property
@@ -247,7 +257,7 @@ class NvmePart(PartSpan):
             return
         for key in STATE_NAMES[family]:
             self.slots.states[0][key] = self.nvme.allocate(f"{self.unit.name}/nvme_state.{key}",
-                                                 "optimizer_state", self.numel, torch.float32)
+                                                 "optimizer_state", self.numel, self.state_dtype)
             if fill:
                 fill_range(self.nvme, self.state[key], fill)
 
@@ -272,7 +282,7 @@ class NvmePart(PartSpan):
         master = read_range(self.nvme, self.master)
         changed = new != master.to(new.dtype)
         if bool(changed.any()):
-            master[changed] = new[changed].float()
+            master[changed] = new[changed].to(master.dtype)
             self.nvme.write(self.master, master).wait()
         if self.out16 is not None:
             self.out.absorb(changed, new)

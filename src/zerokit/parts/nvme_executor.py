@@ -1,8 +1,9 @@
 """The streaming NVMe executor: ZeRO-Infinity's optimizer step over the nvme parts.
 
 [Note: streaming the optimizer]
-Each unit's nvme part (parts/nvme.py) keeps its fp32 master, optimizer state and gradient in
-files (the gradient held in host memory instead with step_in_backward, parts/held_gradient.py) and
+Each unit's nvme part (parts/nvme.py) keeps its master, optimizer state and gradient in
+files (fp32, or bf16 with bf16.bf16_master_weights_and_grads / bf16_optimizer_states: the buffer
+sets then hold bf16 too, and a sub-group moves 2 bytes per element per buffer each way) (the gradient held in host memory instead with step_in_backward, parts/held_gradient.py) and
 its new weights in host memory (in its shard's file when that is on NVMe). The step cuts every
 stepped part into sub-groups of `sub_group_size` elements and streams them through `buffer_count`
 host buffer sets (a master, a gradient unless held, a 16-bit output when weights go to files, and
@@ -18,7 +19,9 @@ sub-group i:
     write   master and state go back to their file ranges; waited when the set is needed again
             (pipeline_write) or at once
 The kernel and the arithmetic are those of the host part, so a run with the optimizer on NVMe gives
-the weights a run with it in host memory gives, bit for bit. The stream runs on the host
+the weights a run with it in host memory gives, bit for bit; stochastic rounding too, since each
+sub-group passes its first element's index in the unit's flat index space (`index_base`) and the
+random bits depend on nothing else but the seed and the step (zerokit/optim/rounding.py). The stream runs on the host
 executor's worker thread (the executor is a HostExecutor whose `_run` streams): joined in
 `finish`, or, with the delayed update, at the next step's `before_step`, so that it overlaps that
 step's forward and backward (each part then has two gradient files: the stream reads one while
@@ -64,21 +67,25 @@ class StreamSettings:
 
 
 class _BufferSet:
+    """One sub-group's host buffers, in the files' dtypes (master and gradient: the master's;
+    state: the state's)."""
+
     def __init__(self, numel: int, names: tuple[str, ...], with_grad: bool,
-                 out_dtype: torch.dtype | None):
-        self.master = host_buffer(numel)
+                 out_dtype: torch.dtype | None, master_dtype: torch.dtype = torch.float32,
+                 state_dtype: torch.dtype = torch.float32):
+        self.master = host_buffer(numel, master_dtype)
         # read only, never written back; none where the kernel reads a held gradient
-        self.grad = host_buffer(numel) if with_grad else None
+        self.grad = host_buffer(numel, master_dtype) if with_grad else None
         # a sub-group's new 16-bit weights on their way to a shard file (weights on NVMe)
         self.out16 = host_buffer(numel, out_dtype) if out_dtype is not None else None
-        self.state = {k: host_buffer(numel) for k in names}
+        self.state = {k: host_buffer(numel, state_dtype) for k in names}
         self.reads: list[NvmeHandle] = []
         self.writes: list[NvmeHandle] = []
 
     @property
     def nbytes(self) -> int:
-        out = 0 if self.out16 is None else self.out16.numel() * self.out16.element_size()
-        return (1 + (self.grad is not None) + len(self.state)) * self.master.numel() * 4 + out
+        bufs = [self.master, self.grad, self.out16, *self.state.values()]
+        return sum(b.numel() * b.element_size() for b in bufs if b is not None)
 
     def wait_writes(self) -> None:
         """Every write of the set has ended when this returns, the first failure raised after:
@@ -135,8 +142,10 @@ class NvmeExecutor(HostExecutor):
             # 16-bit weights to files: the shard files' dtype (fp32 compute writes the master)
             out = next((p.out_file.dtype for p in self.parts if p.out_file is not None
                         and p.out_file.dtype != torch.float32), None)
+            first = self.parts[0]  # one master / state dtype for every part (the placement's)
             self._sets = [_BufferSet(numel, STATE_NAMES[self.family], self.settings.gradients_in_files,
-                                     out) for _ in range(self.settings.buffer_count)]
+                                     out, first.master.dtype, first.state_dtype)
+                          for _ in range(self.settings.buffer_count)]
             self.ledger.hold_bytes("nvme_executor/buffer_sets", "buffers", TierName.HOST,
                                    sum(b.nbytes for b in self._sets))
         return self._sets
@@ -211,9 +220,13 @@ class NvmeExecutor(HostExecutor):
             out = b.out16[:n] if b.out16 is not None else None
         sixteen = out is not None and out.dtype != torch.float32
         grad = s.gradient_in_flight
+        rounding = dict(s.rounding)
+        if rounding:  # the sub-group's first element in the unit's flat index space
+            rounding["index_base"] += lo
         ops = KernelOperands(b.master[:n],
                              grad.values(lo, n) if isinstance(grad, HeldGradient) else b.grad[:n],
-                             {k: v[:n] for k, v in b.state.items()}, out if sixteen else None, s.steps)
+                             {k: v[:n] for k, v in b.state.items()}, out if sixteen else None, s.steps,
+                             rounding)
         self._step_fn(ops, group, coef)
         if out is not None and not sixteen:  # fp32 compute: the new weights are the new master
             out.copy_(ops.master)
@@ -228,9 +241,14 @@ class NvmeExecutor(HostExecutor):
             b.reads, b.writes = [], []
 
 
-def buffer_set_bytes(settings: StreamSettings, family: str | None, largest_part: int) -> int:
+def buffer_set_bytes(settings: StreamSettings, family: str | None, largest_part: int,
+                     master_dtype: torch.dtype = torch.float32,
+                     state_dtype: torch.dtype = torch.float32) -> int:
     """Host bytes of the stream's buffer sets: buffer_count x (master + gradient + state) x a
-    sub-group (no gradient where gradients are held, not in files)."""
+    sub-group (no gradient where gradients are held, not in files), each in its files' dtype."""
     states = len(STATE_NAMES.get(family or "adam", ("a", "b")))
-    per_element = 4 * (1 + settings.gradients_in_files + states) + 2 * settings.weights_in_files
+    master = torch.empty(0, dtype=master_dtype).element_size()
+    state = torch.empty(0, dtype=state_dtype).element_size()
+    per_element = (master * (1 + settings.gradients_in_files) + state * states
+                   + 2 * settings.weights_in_files)
     return settings.buffer_count * per_element * min(settings.sub_group_size, largest_part)

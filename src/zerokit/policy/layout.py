@@ -18,8 +18,9 @@ host part's length, `r` = this rank's shard):
                  through, transient ([Note: weight shards on NVMe] in tiers/nvme_shard.py)
     grads        compute dtype, [0, P)   gradients reduced once per boundary (stage < 2)
     grad_acc     fp32, [0, P)            16-bit compute, accumulation > 1, stage < 2
-    master       fp32, [a + k, b)        the device part's master (fp32 compute: the weights)
-    master_grad  fp32, [a + k, b)        the device part's reduced gradient (stage 0 fp32: grads)
+    master       master, [a + k, b)      the device part's master (fp32 compute: the weights);
+                                         `master` = placement.master_dtype (below)
+    master_grad  master, [a + k, b)      the device part's reduced gradient (stage 0 fp32: grads)
     host_master  master, [a, a + k)      the host part's master (fp32 + in-place: the host shard);
                                          `master` = placement.master_dtype: fp32, or bf16 with
                                          bf16.bf16_master_weights_and_grads
@@ -30,7 +31,8 @@ host part's length, `r` = this rank's shard):
     nvme_*       with offload_optimizer device 'nvme' the offloaded range [a, a + k) splits:
                  [a, a + h) is the host part above (h: the max_in_cpu budget), [a + h, a + k)
                  the nvme part: nvme_master and nvme_grad0 (and nvme_grad1 with the delayed
-                 update; none with step_in_backward) fp32 on the nvme tier, nvme_out
+                 update; none with step_in_backward) on the nvme tier in the master's dtype
+                 (fp32, or bf16 with bf16.bf16_master_weights_and_grads), nvme_out
                  compute dtype on the host (offload_param, no delay: the host shard; none
                  where the shard is on NVMe: the stream writes the new weights to its file)
 The host part's optimizer state is allocated when the optimizer is known (HostPart.init_state),
@@ -192,12 +194,13 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
         records.append(BufferRecord("grads", "grads", TierName.DEVICE, compute_dtype, 0, padded))
     # fp32 compute: the optimizer steps the weights in place, where they live on the device.
     master_is_weights = fp32 and next(r for r in records if r.name == home).tier is TierName.DEVICE
-    records.append(BufferRecord("master", "master", TierName.DEVICE, f32, a + k, b,
+    master = placement.master_dtype  # bf16 with bf16.bf16_master_weights_and_grads
+    records.append(BufferRecord("master", "master", TierName.DEVICE, master, a + k, b,
                                 alias_of=home if master_is_weights else None))
     # DDP in fp32: reduce in place in the gradient buffer, no second copy.
     grads_are_master = (not partition.shard_gradients and not partition.shard_optimizer and fp32
                         and reduce_dtype == f32 and k == 0)
-    records.append(BufferRecord("master_grad", "grads", TierName.DEVICE, f32, a + k, b,
+    records.append(BufferRecord("master_grad", "grads", TierName.DEVICE, master, a + k, b,
                                 alias_of="grads" if grads_are_master else None))
     if not partition.shard_gradients and not fp32 and grad_accum_steps > 1:
         # Stage 0: the fp32 sum of the micro-steps is the master gradient itself.
@@ -242,20 +245,20 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
 def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
                        compute_dtype: torch.dtype, lo: int, hi: int, cuda: bool,
                        shard_tier: TierName) -> list[BufferRecord]:
-    """ZeRO-Infinity's part: the fp32 master and gradient in files (the optimizer state joins at
-    bind), as DeepSpeed swaps them; the new compute-dtype weights in host memory
+    """ZeRO-Infinity's part: the master and gradient in files, in placement.master_dtype (the
+    optimizer state joins at bind, in placement.state_dtype), as DeepSpeed swaps them; the new compute-dtype weights in host memory
     (parts/nvme_executor.py). Gradients reach their file through small host buffers
     (parts/nvme.py), so no record of the part's size is needed for them in RAM."""
-    f32 = torch.float32
+    master = placement.master_dtype  # bf16.bf16_master_weights_and_grads: 2 bytes per element
     pin = placement.pin_memory and cuda and torch.cuda.is_available()
     # offload_param without the delay: the stream writes the new weights into the host shard
     # itself, as the host part does (no second 16-bit copy of the part in RAM).
     in_place = shard_tier is TierName.HOST and not placement.delayed and partition.shard_weights
     # With the delayed update the stream reads one gradient file while backward writes the other;
     # stepped in backward, the gradient is held in host memory until stepped (no file).
-    grads = [BufferRecord(f"nvme_grad{i}", "grads", TierName.NVME, f32, lo, hi)
+    grads = [BufferRecord(f"nvme_grad{i}", "grads", TierName.NVME, master, lo, hi)
              for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1)]
-    records = [BufferRecord("nvme_master", "master", TierName.NVME, f32, lo, hi), *grads]
+    records = [BufferRecord("nvme_master", "master", TierName.NVME, master, lo, hi), *grads]
     if shard_tier is not TierName.NVME:  # the step's new weights, written back to the weights'
         # home after the stream (a shard on NVMe: the stream writes them to its file a sub-group
         # at a time)

@@ -31,7 +31,7 @@ class PartitionPolicy:
         return cls(stage, stage >= 1, stage >= 2, stage >= 3)
 
     def describe(self) -> str:
-        parts = [name for name, on in (("optimizer state + fp32 master", self.shard_optimizer),
+        parts = [name for name, on in (("optimizer state + master", self.shard_optimizer),
                                        ("gradients", self.shard_gradients),
                                        ("weights", self.shard_weights)) if on]
         return (f"ZeRO stage {self.stage}: partitioned: {', '.join(parts)}" if parts

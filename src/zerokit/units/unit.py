@@ -25,12 +25,13 @@ visibly wrong, and writing to it raises. Gathering points the parameters back in
 - `grad_flat`   compute-dtype full-size gradients that `p.grad` views point into; only where
                 gradients are reduced once per accumulation boundary (not sharded).
 - `parts`       the optimizer range as parts ([Note: optimizer parts] in parts/__init__.py): with
-                offload a HostPart (parts/host.py: fp32 master, optimizer state, gradient on the
+                offload a HostPart (parts/host.py: master, optimizer state, gradient on the
                 host tier) for the first `host_numel` elements, with offload_optimizer nvme an
                 NvmePart (parts/nvme.py: the same in files) for the next `nvme_numel`, then
                 always a DevicePart (parts/device.py) for the rest.
-- `master`      the device part's fp32 weights: this rank's shard of the optimizer range if the
-                optimizer state is partitioned, the whole buffer otherwise; in fp32 training a
+- `master`      the device part's fp32 weights (bf16 with bf16.bf16_master_weights_and_grads):
+                this rank's shard of the optimizer range if the optimizer state is
+                partitioned, the whole buffer otherwise; in fp32 training a
                 view of the weights. `master_grad`: its reduced gradient, which the optimizer
                 reads (stage 0 in fp32: a view of `grad_flat`).
 - `grad_acc`    fp32 full-size sum of the micro-steps' 16-bit gradients before the boundary, where
@@ -176,7 +177,7 @@ class Unit:
             if r.kind == "master" and r.alias_of is None and r.tier is TierName.NVME:
                 from zerokit.parts.nvme import fill_range, host_buffer  # the I/O engine: only with NVMe
 
-                staged = host_buffer(r.numel)  # one part's master in RAM, then to its file
+                staged = host_buffer(r.numel, r.dtype)  # one part's master in RAM, then to its file
                 self._copy_param_values(staged, r.lo, r.hi)
                 fill_range(tiers[TierName.NVME], bufs[r.name], staged)
             elif r.kind == "master" and r.alias_of is None:
