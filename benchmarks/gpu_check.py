@@ -281,6 +281,18 @@ def main() -> int:
                 raise AssertionError(f"speculation counts {counts}, expected {want}={STEPS}")
             return f"bit-equal after {STEPS} steps; {counts}"
 
+    @case("stage 2 bf16 master + optimizer states: device part (CUDA) = host part, bit for bit")
+    def _():
+        def cfg(offload: dict | None) -> dict:
+            c = dict(config(2, **({"offload_optimizer": offload} if offload else {})))
+            c["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True,
+                         "bf16_optimizer_states": True}
+            return c
+        on_device, _ = final_weights(cfg(None))
+        on_host, _ = final_weights(cfg({"device": "cpu", "pin_memory": True}))
+        bit_equal(on_device, on_host)
+        return f"bit-equal after {STEPS} steps ({len(on_device)} tensors)"
+
     @case("a model already on the GPU stays there")
     def _():
         model = make_gpt().to(device)
