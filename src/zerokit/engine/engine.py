@@ -107,9 +107,7 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         # step] in parts/speculation.py
         self._steps_in_backward = False
         self._step_units_now = False  # this backward is the boundary's: landed units step
-        # offload_optimizer.speculation 'adaptive': the next boundary speculates unless the last
-        # applied step was clipped (its redo would cost a second update for nothing)
-        self._speculate_next = True
+        self._speculate_next = True  # offload_optimizer.speculation: see _gradient_coef
         self.speculation = SpeculationCounts()  # committed / redone / skipped, the redo's time
         self._pending_bytes = 0
         self._timers = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
@@ -399,14 +397,12 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
                 self._settle_speculation(coef, overflow=True)  # "stop" raises next: as before it
                 handle_nonfinite(self, trainable, scalars)  # reports; raises for "stop"
             return coef, True
-        clipped = False
-        if clip > 0:
-            clip_coef = clip / (norm / scale + 1e-6)
-            if clip_coef < 1.0:
-                coef *= clip_coef
-                clipped = True
-        if self.config.zero_optimization.offload_optimizer.speculation == "adaptive":
-            self._speculate_next = not clipped
+        clip_coef = clip / (norm / scale + 1e-6) if clip > 0 else 1.0
+        if clip_coef < 1.0:
+            coef *= clip_coef
+        # 'adaptive': after a clipped step the next speculation would likely be redone: skip it
+        self._speculate_next = (clip_coef >= 1.0 or
+                                self.config.zero_optimization.offload_optimizer.speculation == "always")
         return coef, False
 
     def _settle_speculation(self, coef: float, overflow: bool) -> bool:
