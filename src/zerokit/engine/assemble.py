@@ -54,7 +54,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     comm = Comm.from_environment(cfg.comm_timeout_s, model_device_of(model))
     configure_logging(comm.rank)
     batch = cfg.resolve_batch(comm.world_size)
-    policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage)
+    policy = PartitionPolicy.for_stage(cfg.zero_optimization.stage).for_accumulation(batch[2])
     recipe = recipe_from(model, optimizer, model_parameters, cfg.optimizer)
 
     dtype = compute_dtype(cfg)

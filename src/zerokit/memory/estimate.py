@@ -85,13 +85,13 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
     cfg = resolve_auto(load_config(_config(config, stage, offload_optimizer, offload_param, dtype,
                                            micro_batch, nvme_path)), src.model)
     zero = cfg.zero_optimization
-    policy = PartitionPolicy.for_stage(zero.stage)
     placement = PlacementPolicy.from_config(zero)
     if placement.auto:
         raise ValueError("offload_optimizer.ratio 'auto' is chosen at initialize from rates measured "
                          "on the machine; give a number in [0, 1] to estimate")
     placement = with_state_dtypes(cfg, placement, None)  # bf16 master / state keys
     _, micro, accumulation = cfg.resolve_batch(world_size)
+    policy = PartitionPolicy.for_stage(zero.stage).for_accumulation(accumulation)
     recipe = recipe_from(src.model, None, None, cfg.optimizer)
     groups = group_parameters(src.model, select_modules(src.model, wrap), recipe.group_of)
     compute = compute_dtype(cfg)

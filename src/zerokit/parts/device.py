@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from zerokit.optim import host as host_kernels
 from zerokit.policy.layout import OptimizerPart
 from zerokit.tier_names import TierName
 
@@ -45,7 +46,12 @@ class DevicePart:
             dest.copy_(reduced)
 
     def grad_sq_norm(self) -> torch.Tensor:
-        # Accumulated in float64 without materialising a float64 copy of the gradient.
+        # Accumulated in float64 without materialising a float64 copy of the gradient. On a CPU
+        # "device" the host kernel's SIMD sum (the one host parts use) does that 13-20x faster
+        # than torch's float64 vector_norm (issue #29: 2.8 ms per 1.5M-element unit, 10-14 ms a
+        # step of bench_step); its torch fallback gives the same numbers where it is not built.
+        if self.grad.device.type == "cpu":
+            return torch.tensor(host_kernels.grad_sq_norm(self.grad)[0], dtype=torch.float64)
         return torch.linalg.vector_norm(self.grad, dtype=torch.float64).square()
 
     def zero_grad(self) -> None:
