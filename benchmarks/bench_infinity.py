@@ -4,6 +4,8 @@
     flock /tmp/zk-heavy.lock .venv/bin/python benchmarks/bench_infinity.py                 # 125m, 1b
     python benchmarks/bench_infinity.py --models 125m,1b,3b --rows ds-inf,zk-inf,zk-inf-half
     python benchmarks/bench_infinity.py --models 4b --rows zk-inf-8g                       # the largest
+    python benchmarks/bench_infinity.py --models 125m --rows ds-inf,zk-inf,zk-inf-bf16,zk-inf-ds,zk-inf-ds-bf16
+    python benchmarks/bench_infinity.py --models 7b --rows zk-inf-bf16 --steps 2   # 7B: bf16 files only
 
 The issue's setup (#16): GPT (nanoGPT shape, vocab 32000) at stage 3, parameters and optimizer
 state on NVMe, bf16, AdamW, seq 128, micro-batch 1, one rank, 2 intra-op threads. Each model is
@@ -28,6 +30,17 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
                at every step, so the first update stepped in backward is redone and, speculation
                being adaptive (offload_optimizer.speculation), the later steps are held back
                (stepped in step()); the "redo" column says what the redos cost per step.
+  <row>-bf16   any zerokit row above with bf16.bf16_master_weights_and_grads + bf16_optimizer_states
+               (issue #27): the same placement keys and budget, 2-byte master, gradient and state
+               files (e.g. zk-inf-bf16, zk-inf-ds-bf16). A second table sets each beside its
+               fp32-state row of the same run: bytes read and written per step, disk, s/step.
+Models: 125m, 1b, 3b, 4b and 7b (7.11B). Disk, by expected_disk_bytes: zk-inf 18 B per parameter
+(bf16 weights 2, fp32 master 4, gradients 4, moments 8), zk-inf-bf16 10 (2 + 2 + 2 + 4), a
+row stepping in backward 26 / 14 (no gradient files, but a second slot of master and moments).
+At 7b only the -bf16 rows not stepping in backward fit this VM's disk: zk-inf-bf16 needs 71.1 GB
+(66.2 GiB) of 76.5 GiB free, passing the default --min-free-gib 10 by ~0.3 GiB; a budgeted -bf16
+row (zk-inf-8g-bf16) as much if its planner does not step in backward (if it does: 14 B per
+parameter, 99.5 GB, more than the disk holds; not tried).
 Both sides take `gradient_clipping` (--clipping, default 1.0: DeepSpeed's default; 0 turns it off)
 and `gradient_accumulation_steps` (--accumulation, default 1): a timed step is that many
 micro-steps (forward, backward, step() each), and tokens/s counts all of them.
@@ -71,6 +84,9 @@ MODELS = {  # name -> (n_layer, n_embd, n_head)
     "1b": (24, 1792, 14),
     "3b": (32, 2560, 20),
     "4b": (40, 2944, 23),  # 4.35B: 16 B of states per parameter = 69.6 GB, 2.75x this VM's 23.5 GiB
+    # 7.11B (LLaMA-7B's width and heads, 34 layers): only the -bf16 rows fit a 77 GiB disk, see
+    # expected_disk_bytes (zk-inf-bf16: 10 B per parameter = 71.1 GB; fp32 states: 18 B = 128 GB)
+    "7b": (34, 4096, 32),
 }
 VOCAB, SEQ, MICRO = 32000, 128, 1
 ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
@@ -85,6 +101,12 @@ ROWS = {
     "zk-inf-ds-dpu": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS, delayed update"),
     "zk-inf-ds-clip": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS, clipping always applies"),
 }
+# Each zerokit row's twin with bf16 master, gradients and optimizer state (issue #27:
+# bf16.bf16_master_weights_and_grads + bf16_optimizer_states): the same placement keys and budget,
+# 2-byte master, gradient and state files and stream buffers instead of 4-byte ones.
+BF16 = "-bf16"
+ROWS.update({name + BF16: (family, budget, label + ", bf16 master + states")
+             for name, (family, budget, label) in list(ROWS.items()) if family == "zerokit"})
 ROW_CLIPPING = {"zk-inf-ds-clip": 1e-3}  # rows whose gradient_clipping is their own, not --clipping
 # Weight shards the unbudgeted zerokit rows read ahead (offload_param.buffer_count; the DeepSpeed
 # row needs 16, see ds_config), each up to the embedding's size.
@@ -125,6 +147,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weights-in-ram", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--delayed", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--step-in-backward", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--bf16-state", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--swap", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -142,14 +165,29 @@ def n_params(model: str) -> int:
 
 
 def expected_disk_bytes(model: str, row: str) -> int:
-    """bf16 weights + fp32 master and two moments (+ the fp32 gradient files): 18 B/param; 14
-    for a row stepping in backward (no gradient files), at most."""
-    return (14 if _steps_in_backward(row) else 18) * n_params(model)
+    """Files per parameter, at most: bf16 weight shards (2 B), the master and Adam's two moments
+    (fp32: 4 + 8; a -bf16 row: 2 + 4) and the gradient files (4; 2). A row stepping in backward
+    (-sib) has no gradient files but the speculative step's second slot of master and moments
+    (engine/assemble.py _check_nvme): fp32 18 / -sib 26 B, -bf16 10 / -sib 14 B. The budgeted
+    rows are counted without stepping in backward (the planner may choose it and keep part of
+    the model in RAM; zerokit's own disk check refuses a plan the disk cannot hold)."""
+    m = 2 if _bf16_state(row) else 4  # master and gradient bytes per element; moments 2 m
+    files = 2 + m + 2 * m + (m + 2 * m if _steps_in_backward(row) else m)
+    return files * n_params(model)
+
+
+def _base(row: str) -> str:
+    """The row without its -bf16 suffix (the fp32-state row it is the twin of)."""
+    return row[: -len(BF16)] if row.endswith(BF16) else row
+
+
+def _bf16_state(row: str) -> bool:
+    return row.endswith(BF16)
 
 
 def _steps_in_backward(row: str) -> bool:
     """The -sib row steps in backward by hand; the budgeted rows leave it to the planner."""
-    return row.endswith("-sib")
+    return _base(row).endswith("-sib")
 
 
 def _budgeted(row: str) -> bool:
@@ -211,11 +249,15 @@ def ds_config(swap: str, model: str, clipping: float = 1.0, accumulation: int = 
 
 def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False,
               delayed: bool = False, clipping: float = 1.0, accumulation: int = 1,
-              step_in_backward: bool = False, sub_group: int = ZK_SUB_GROUP) -> dict:
+              step_in_backward: bool = False, sub_group: int = ZK_SUB_GROUP,
+              bf16_state: bool = False) -> dict:
     """zerokit's config: DeepSpeed's, with zerokit's stream settings. With a budget: memory.host
     and the offload devices "auto", every placement key left to the planner; without one,
-    everything on NVMe (weights_in_ram: the weights in host memory), nothing kept in RAM."""
+    everything on NVMe (weights_in_ram: the weights in host memory), nothing kept in RAM.
+    bf16_state: bf16 master, gradients and optimizer state (the -bf16 rows)."""
     cfg = ds_config(swap, model, clipping, accumulation)
+    if bf16_state:
+        cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     zero = cfg["zero_optimization"]
     zero["sub_group_size"] = sub_group
     zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
@@ -287,7 +329,8 @@ def setup_zerokit(args, rec):
     import zerokit
 
     cfg = zk_config(args.swap, args.model, args.budget_gib, args.weights_in_ram, args.delayed,
-                    args.clipping, args.accumulation, args.step_in_backward, args.sub_group)
+                    args.clipping, args.accumulation, args.step_in_backward, args.sub_group,
+                    args.bf16_state)
     rec["config"] = cfg
     try:
         model = _build(zerokit, cfg, args.model)
@@ -403,7 +446,7 @@ def du_bytes(folder: Path) -> int:
 
 def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> dict:
     family, _, label = ROWS[name]
-    clipping = ROW_CLIPPING.get(name, args.clipping)
+    clipping = ROW_CLIPPING.get(_base(name), args.clipping)
     res = {"row": name, "model": model, "label": label, "budget_gib": budget, "clipping": clipping,
            "accumulation": args.accumulation}
     free = shutil.disk_usage(parent).free
@@ -419,8 +462,9 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
            "--warmup", str(args.warmup), "--clipping", str(clipping),
            "--accumulation", str(args.accumulation), "--sub-group", str(args.sub_group)] + (["--budget-gib", str(budget)] if budget else [])
     cmd += ["--weights-in-ram"] if ROWS[name][1] == "weights" else []
-    cmd += ["--delayed"] if name.endswith("-dpu") else []
+    cmd += ["--delayed"] if _base(name).endswith("-dpu") else []
     cmd += ["--step-in-backward"] if _steps_in_backward(name) else []
+    cmd += ["--bf16-state"] if _bf16_state(name) else []
     env = {**os.environ, **WORKER_ENV, "MASTER_PORT": str(29700 + len(name))}
     log = C.results_dir("logs") / f"bench_infinity-{name}-{model}.log"
     disk_peak = [0]
@@ -484,6 +528,7 @@ def _redo_cell(r: dict) -> str:
 def _note(r: dict) -> str:
     """The budget, and the RSS peak of setup and of the timed steps apart (which one set the run's)."""
     parts = [f"budget {r['budget_gib']:.1f} GiB"] if r["budget_gib"] else []
+    parts += ["bf16 master + states"] if _bf16_state(r["row"]) else []
     parts.append(f"clip {r['clipping']:g}" + (f", accum {r['accumulation']}" if r["accumulation"] > 1 else ""))
     peaks = [max(x or 0 for x in p[:3]) for p in (r.get("rss_peaks_mb") or [])]
     if r.get("setup_peak_mb") and peaks:
@@ -507,6 +552,27 @@ def report(results: list[dict]) -> str:
                      C.fmt_num(r["read_bytes_per_step"] / 1e9, ".2f"), C.fmt_num(r["write_bytes_per_step"] / 1e9, ".2f"),
                      C.fmt_num(r["io_gb_s"], ".2f"), _idle_cell(r), _redo_cell(r), _note(r)])
     return C.format_table(headers, rows)
+
+
+def bf16_report(results: list[dict]) -> str | None:
+    """Each -bf16 row beside its fp32-state twin of the same model (same placement keys and
+    budget): bytes read and written per step, disk, step time, and bf16 / fp32 for each."""
+    ok = {(r["model"], r["row"]): r for r in results if r["status"] == "ok"}
+    rows = []
+    for (model, name), r in ok.items():
+        base = ok.get((model, _base(name))) if _bf16_state(name) else None
+        if base is None:
+            continue
+        cells = [model, name, _base(name)]
+        for key, scale in (("read_bytes_per_step", 1e9), ("write_bytes_per_step", 1e9), ("disk_peak_bytes", 1e9)):
+            cells += [f"{r[key] / scale:.2f} / {base[key] / scale:.2f}", C.fmt_num(C.ratio(r[key], base[key]), ".2f", "x")]
+        cells += [f"{r['step_s']['median']:.2f} / {base['step_s']['median']:.2f}",
+                  C.fmt_num(C.ratio(r["step_s"]["median"], base["step_s"]["median"]), ".2f", "x")]
+        rows.append(cells)
+    if not rows:
+        return None
+    return C.format_table(["model", "bf16 row", "fp32 row", "read GB/step", "ratio", "write GB/step", "ratio",
+                           "disk GB", "ratio", "s/step", "ratio"], rows)
 
 
 def main(argv=None) -> int:
@@ -556,13 +622,18 @@ def main(argv=None) -> int:
     table = report(results)
     print()
     print(table)
+    bf16_table = bf16_report(results)
+    if bf16_table:
+        print("\nbf16 master + states vs fp32 states, same placement keys and budget (bf16 / fp32):")
+        print(bf16_table)
     path = C.write_json("bench_infinity", {"benchmark": "bench_infinity", "argv": sys.argv[1:],
                                            "setup": {"vocab": VOCAB, "seq": SEQ, "micro_batch": MICRO,
                                                      "gradient_clipping": args.clipping,
                                                      "accumulation": args.accumulation,
                                                      "models": {m: {"shape": MODELS[m], "params": n_params(m)} for m in models},
                                                      "worker_env": WORKER_ENV, "adamw": ADAMW},
-                                           "disk": disk, "machine": machine, "rows": results, "table": table}, args.out)
+                                           "disk": disk, "machine": machine, "rows": results, "table": table,
+                                           "bf16_table": bf16_table}, args.out)
     print(f"\nwrote {path}")
     return 0 if all(r["status"] != "error" for r in results) else 1
 

@@ -69,3 +69,28 @@ def test_table_cells_say_n_a_without_counters():
            "speculation": {"committed": 0, "redone": 1, "skipped": 0, "redo_s": 3.25}}
     assert B._idle_cell(row) == "6.4 (7.8/9.8)"
     assert B._redo_cell(row) == "3.25 s, 1/1 redone"
+
+
+@pytest.mark.parametrize("row", ["zk-inf-bf16", "zk-inf-sib-bf16", "zk-inf-ds-bf16", "zk-inf-ds-dpu-bf16",
+                                 "zk-inf-ds-clip-bf16"])
+def test_bf16_rows_are_their_fp32_twins_with_bf16_master_and_states(row):
+    base = B._base(row)
+    assert B._bf16_state(row) and not B._bf16_state(base) and B.ROWS[row][:2] == B.ROWS[base][:2]
+    assert B._steps_in_backward(row) == B._steps_in_backward(base)
+    assert B._budgeted(row) == B._budgeted(base)
+    cfg = B.zk_config("/swap", "1b", 7.5 if B._budgeted(row) else None, bf16_state=True,
+                      step_in_backward=B._steps_in_backward(row))
+    assert cfg["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert "bf16_master_weights_and_grads" not in B.zk_config("/swap", "1b", None)["bf16"]
+    from zerokit.config import load_config
+
+    load_config(cfg)
+
+
+def test_expected_disk_bytes_per_parameter():
+    # bf16 weights 2 + master 4 + gradients 4 + moments 8; stepping in backward: no gradient
+    # files, a second slot of master and moments (1b zk-inf-sib measured 27.05 GB = 26 B x 1.04B)
+    per = {row: B.expected_disk_bytes("1b", row) / B.n_params("1b")
+           for row in ("zk-inf", "zk-inf-sib", "zk-inf-bf16", "zk-inf-sib-bf16", "ds-inf")}
+    assert per == {"zk-inf": 18, "zk-inf-sib": 26, "zk-inf-bf16": 10, "zk-inf-sib-bf16": 14, "ds-inf": 18}
+    assert B.n_params("7b") >= 7e9 and B.expected_disk_bytes("7b", "zk-inf-bf16") < 72e9
