@@ -391,9 +391,12 @@ class Comm:
             return works
 
         def finish() -> None:
-            # Sum in rank order, so the result does not depend on which rank computes it.
-            received[self.rank].copy_(rows[self.rank])
-            torch.sum(received, dim=0, out=out.view(-1))
+            if self.world_size == 2:  # one addition is commutative: the same bits on both ranks,
+                # without staging our own row (3x faster than the general sum below, issue #29)
+                torch.add(rows[self.rank], received[1 - self.rank], out=out.view(-1))
+            else:  # in rank order, so the result does not depend on which rank computes it
+                received[self.rank].copy_(rows[self.rank])
+                torch.sum(received, dim=0, out=out.view(-1))
             if scale != 1.0:
                 out.mul_(scale)
         return self._agreed("reduce_scatter", where, unit, nbytes, exchange, finish, async_op)
