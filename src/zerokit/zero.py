@@ -300,6 +300,20 @@ def constructed_host_bytes(model: nn.Module) -> int:
     return total
 
 
+def constructed_nvme_files(model: nn.Module) -> tuple[int, int, str | None]:
+    """(bytes, largest unit's bytes, folder) of the weight files zero.Init(remote_device="nvme")
+    wrote for `model`. initialize removes each construction unit's file once the unit that
+    adopts its parameters is laid out, so its disk check counts them as space to come back, all
+    but the largest one (alive while its successor's files are being allocated)."""
+    sizes, folder = [], None
+    for m in model.modules():
+        u = _CONSTRUCTED.get(m)
+        if u is not None and u.nvme_shard is not None:
+            sizes.append(u.nvme_shard.file.nbytes)
+            folder = u.nvme_shard.nvme.root
+    return sum(sizes), max(sizes, default=0), folder
+
+
 def retire_constructed(model: nn.Module) -> None:
     """Free every construction unit of this model's modules (adopted or orphaned by tying)."""
     for m in model.modules():

@@ -34,7 +34,8 @@ from zerokit.tiers.host_release import release_free_host_memory
 from zerokit.tier_names import TierName
 from zerokit.tiers.nvme import NvmeTier
 from zerokit.logs import configure_logging
-from zerokit.zero import adopt_constructed, constructed_host_bytes, retire_constructed, retire_laid_out
+from zerokit.zero import (adopt_constructed, constructed_host_bytes, constructed_nvme_files,
+                          retire_constructed, retire_laid_out)
 
 
 def initialize(model: nn.Module, optimizer: Any = None,
@@ -97,7 +98,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
         placement = dataclasses.replace(placement, step_in_backward=False)
     layouts = plan(placement)
     need = planned_host_need(cfg, placement, layouts, recipe.kind)
-    on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind)
+    on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind, constructed_nvme_files(model))
     host_budget.check_host_memory(need, placement, available=(avail, source))
     # one tier (one I/O engine, one count) whose weight shards go to offload_param's path
     nvme = NvmeTier(ledger, on_nvme[0], rank=comm.rank, config=cfg.aio.engine_config(),
@@ -172,28 +173,37 @@ def _configure_activation_checkpointing(cfg: ZeroKitConfig, ledger: Ledger) -> N
         activations.configure(None, deepspeed_config=cfg)
 
 
-def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None
-                ) -> list[str]:
+def _check_nvme(cfg, placement: PlacementPolicy, layouts: list[UnitLayout], kind: str | None,
+                constructed: tuple[int, int, str | None] = (0, 0, None)) -> list[str]:
     """offload_optimizer / offload_param device 'nvme': each path checked against what the plan
     puts there (nvme_plan.py). Returns the paths in use, the optimizer's first ([] when nothing
-    is on NVMe)."""
+    is on NVMe). constructed: zero.Init's weight files (zero.py `constructed_nvme_files`), which
+    take part of the free space now and are removed as the units are laid out."""
     zero = cfg.zero_optimization
     largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
+    total, largest_file, folder = constructed
+
+    def check(path: str, need: int, **what) -> None:
+        back = max(0, total - largest_file) if folder and _same_disk(path, folder) else 0
+        if back:  # without this a model built on NVMe counted its weights twice (the 7B row)
+            what["what"] = (what.get("what", "master, gradient and optimizer state on NVMe")
+                            + f", less {host_budget.size(back)} of zero.Init files removed as it is laid out")
+        nvme_plan.check_nvme_path(path, need - back, **what)
+
     paths = []
     if largest:
         second_slot = (host_budget.speculation_need(layouts, kind, placement.master_dtype,
                                                     placement.state_dtype)[2]
                        if placement.step_in_backward else 0)
-        nvme_plan.check_nvme_path(zero.offload_optimizer.nvme_path,
-                                  nvme_plan.nvme_need(layouts, kind, placement.state_dtype)
-                                  + second_slot + (nvme_plan.weight_need(layouts) if shards and _same_disk(
-                                      zero.offload_param.nvme_path, zero.offload_optimizer.nvme_path)
-                                     else 0))
+        check(zero.offload_optimizer.nvme_path,
+              nvme_plan.nvme_need(layouts, kind, placement.state_dtype) + second_slot
+              + (nvme_plan.weight_need(layouts) if shards and _same_disk(
+                  zero.offload_param.nvme_path, zero.offload_optimizer.nvme_path) else 0))
         paths.append(zero.offload_optimizer.nvme_path)
     if shards:
-        nvme_plan.check_nvme_path(zero.offload_param.nvme_path, nvme_plan.weight_need(layouts),
-                                  section="offload_param", what="16-bit weight shards on NVMe")
+        check(zero.offload_param.nvme_path, nvme_plan.weight_need(layouts),
+              section="offload_param", what="16-bit weight shards on NVMe")
         paths.append(zero.offload_param.nvme_path)
     return paths
 
