@@ -441,7 +441,7 @@ def main(argv=None) -> int:
     png = C.results_dir() / f"bench_bf16_quality-{stamp}.png"
     note = plot(results, args, png)
     if png.exists():
-        (C.RESULTS_DIR / "bench_bf16_quality-latest.png").write_bytes(png.read_bytes())
+        (C.results_dir() / "bench_bf16_quality-latest.png").write_bytes(png.read_bytes())
     print(note)
     machine["loadavg_at_end"] = list(os.getloadavg())
     setup = {"model": {"n_layer": args.layers, "n_embd": args.width, "n_head": args.heads,
@@ -457,7 +457,7 @@ def main(argv=None) -> int:
     # the JSON under the PNG's timestamp (write_json would take its own), and -latest.json beside it
     path = C.write_json("bench_bf16_quality", payload, args.out or png.with_suffix(".json"))
     if args.out is None:
-        (C.RESULTS_DIR / "bench_bf16_quality-latest.json").write_text(path.read_text())
+        (C.results_dir() / "bench_bf16_quality-latest.json").write_text(path.read_text())
     print(f"wrote {path}")
     return 0 if all(r["status"] != "error" for r in results) else 1
 
