@@ -97,6 +97,7 @@ ROWS = {
     "zk-inf-ds": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS"),
     "zk-inf-half": ("zerokit", "half", "zerokit, host budget = DeepSpeed RSS / 2"),
     "zk-inf-8g": ("zerokit", 8.0, "zerokit, host budget 8 GiB"),
+    "zk-inf-4g": ("zerokit", 4.0, "zerokit, host budget 4 GiB"),
     "zk-opt-nvme": ("zerokit", "weights", "zerokit, weights in RAM, optimizer on NVMe"),
     "zk-inf-ds-dpu": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS, delayed update"),
     "zk-inf-ds-clip": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS, clipping always applies"),
@@ -107,6 +108,9 @@ ROWS = {
 BF16 = "-bf16"
 ROWS.update({name + BF16: (family, budget, label + ", bf16 master + states")
              for name, (family, budget, label) in list(ROWS.items()) if family == "zerokit"})
+# Rows tuned by hand (--hand LABEL=JSON, issue #28's comparison): "hand-LABEL" -> the keys merged
+# into the unbudgeted (all-NVMe) zerokit config; registered in ROWS by parse_args.
+HAND = "hand-"
 ROW_CLIPPING = {"zk-inf-ds-clip": 1e-3}  # rows whose gradient_clipping is their own, not --clipping
 # Weight shards the unbudgeted zerokit rows read ahead (offload_param.buffer_count; the DeepSpeed
 # row needs 16, see ds_config), each up to the embedding's size.
@@ -140,6 +144,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-free-gib", type=float, default=10.0,
                    help="refuse a row whose expected disk use leaves less free (default 10)")
     p.add_argument("--row-timeout", type=float, default=3600.0)
+    p.add_argument("--hand", action="append", default=[], metavar="LABEL=JSON",
+                   help="a zerokit row tuned by hand, run after --rows as 'hand-LABEL': JSON is "
+                        "merged into the all-NVMe config (e.g. '{\"zero_optimization\": "
+                        "{\"offload_param\": {\"device\": \"cpu\"}}}'); each budgeted row is "
+                        "compared with the fastest hand row whose peak RSS fits its budget")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -150,7 +159,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bf16-state", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--swap", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--overrides", default=None, help=argparse.SUPPRESS)  # a hand row's JSON
     args = p.parse_args(argv)
+    args.hand_keys = {}
+    for spec in args.hand:
+        label, _, text = spec.partition("=")
+        try:
+            keys = json.loads(text)
+        except json.JSONDecodeError as e:
+            p.error(f"--hand {spec!r}: the JSON after '=' does not parse ({e})")
+        if not label or not isinstance(keys, dict):
+            p.error(f"--hand {spec!r}: give LABEL=JSON with a JSON object, e.g. "
+                    f"cpu='{{\"zero_optimization\": {{\"offload_param\": {{\"device\": \"cpu\"}}}}}}'")
+        args.hand_keys[HAND + label] = keys
+        ROWS[HAND + label] = ("zerokit", None, f"zerokit by hand: {text}")
+    if args.worker and args.worker.startswith(HAND):  # a hand row's worker: its keys come alone
+        ROWS.setdefault(args.worker, ("zerokit", None, "zerokit by hand"))
     if args.clipping < 0:
         p.error(f"--clipping: {args.clipping} is negative; give 0 (none) or a positive norm")
     if args.accumulation < 1:
@@ -250,11 +274,12 @@ def ds_config(swap: str, model: str, clipping: float = 1.0, accumulation: int = 
 def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False,
               delayed: bool = False, clipping: float = 1.0, accumulation: int = 1,
               step_in_backward: bool = False, sub_group: int = ZK_SUB_GROUP,
-              bf16_state: bool = False) -> dict:
+              bf16_state: bool = False, overrides: dict | None = None) -> dict:
     """zerokit's config: DeepSpeed's, with zerokit's stream settings. With a budget: memory.host
     and the offload devices "auto", every placement key left to the planner; without one,
     everything on NVMe (weights_in_ram: the weights in host memory), nothing kept in RAM.
-    bf16_state: bf16 master, gradients and optimizer state (the -bf16 rows)."""
+    bf16_state: bf16 master, gradients and optimizer state (the -bf16 rows).
+    overrides: a hand row's keys, merged into the all-NVMe config (a None value removes a key)."""
     cfg = ds_config(swap, model, clipping, accumulation)
     if bf16_state:
         cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
@@ -277,6 +302,18 @@ def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: b
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     else:
         param.update(max_in_cpu=0, buffer_count=ZK_PARAM_BUFFERS)
+    return _merged(cfg, overrides or {})
+
+
+def _merged(cfg: dict, keys: dict) -> dict:
+    """`cfg` with `keys` merged in, section by section; a None value removes the key."""
+    for k, v in keys.items():
+        if v is None:
+            cfg.pop(k, None)
+        elif isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            _merged(cfg[k], v)
+        else:
+            cfg[k] = v
     return cfg
 
 
@@ -330,7 +367,7 @@ def setup_zerokit(args, rec):
 
     cfg = zk_config(args.swap, args.model, args.budget_gib, args.weights_in_ram, args.delayed,
                     args.clipping, args.accumulation, args.step_in_backward, args.sub_group,
-                    args.bf16_state)
+                    args.bf16_state, json.loads(args.overrides) if args.overrides else None)
     rec["config"] = cfg
     try:
         model = _build(zerokit, cfg, args.model)
@@ -465,6 +502,7 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
     cmd += ["--delayed"] if _base(name).endswith("-dpu") else []
     cmd += ["--step-in-backward"] if _steps_in_backward(name) else []
     cmd += ["--bf16-state"] if _bf16_state(name) else []
+    cmd += ["--overrides", json.dumps(args.hand_keys[name])] if name in args.hand_keys else []
     env = {**os.environ, **WORKER_ENV, "MASTER_PORT": str(29700 + len(name))}
     log = C.results_dir("logs") / f"bench_infinity-{name}-{model}.log"
     disk_peak = [0]
@@ -554,6 +592,33 @@ def report(results: list[dict]) -> str:
     return C.format_table(headers, rows)
 
 
+def planner_report(results: list[dict]) -> str | None:
+    """Each budgeted row beside the fastest hand row (--hand) of the same model whose peak RSS
+    fits that budget: issue #28 asks the planner's choice to be within 10% of it."""
+    ok = [r for r in results if r["status"] == "ok"]
+    rows = []
+    for r in ok:
+        if not r.get("budget_gib") or r["row"].startswith(HAND):
+            continue
+        fits = [h for h in ok if h["row"].startswith(HAND) and h["model"] == r["model"]
+                and _bf16_state(h["row"]) == _bf16_state(r["row"])
+                and h["peak_rss_mb"] / 1024 <= r["budget_gib"]]
+        best = min(fits, key=lambda h: h["step_s"]["median"]) if fits else None
+        ratio = C.ratio(r["step_s"]["median"], best["step_s"]["median"]) if best else None
+        rows.append([r["model"], r["row"], f"{r['budget_gib']:.2f}", C.fmt_num(r["peak_rss_mb"] / 1024, ".2f"),
+                     "yes" if r["peak_rss_mb"] / 1024 <= r["budget_gib"] else "NO",
+                     C.fmt_num(r["step_s"]["median"], ".2f"), best["row"] if best else "none fits",
+                     C.fmt_num(best["step_s"]["median"], ".2f") if best else "",
+                     C.fmt_num(best["peak_rss_mb"] / 1024, ".2f") if best else "",
+                     C.fmt_num(ratio, ".2f", "x"),
+                     ("yes" if ratio <= 1.10 else "NO") if ratio is not None else ""])
+    if not rows:
+        return None
+    return C.format_table(["model", "budgeted row", "budget GiB", "peak RSS GiB", "RSS <= budget", "s/step",
+                           "best hand row in budget", "its s/step", "its RSS GiB", "budget / hand",
+                           "within 10%"], rows)
+
+
 def bf16_report(results: list[dict]) -> str | None:
     """Each -bf16 row beside its fp32-state twin of the same model (same placement keys and
     budget): bytes read and written per step, disk, step time, and bf16 / fp32 for each."""
@@ -580,7 +645,7 @@ def main(argv=None) -> int:
     if args.worker:
         return run_worker(args)
     models = [m for m in args.models.split(",") if m]
-    rows = [r for r in args.rows.split(",") if r]
+    rows = [r for r in args.rows.split(",") if r] + list(args.hand_keys)
     for m in models:
         if m not in MODELS:
             raise SystemExit(f"--models: unknown {m!r}; choose from {', '.join(MODELS)}")
@@ -622,6 +687,10 @@ def main(argv=None) -> int:
     table = report(results)
     print()
     print(table)
+    planner_table = planner_report(results)
+    if planner_table:
+        print("\nthe planner's choice (budgeted rows) vs the fastest hand-tuned row in the same budget:")
+        print(planner_table)
     bf16_table = bf16_report(results)
     if bf16_table:
         print("\nbf16 master + states vs fp32 states, same placement keys and budget (bf16 / fp32):")
@@ -633,7 +702,8 @@ def main(argv=None) -> int:
                                                      "models": {m: {"shape": MODELS[m], "params": n_params(m)} for m in models},
                                                      "worker_env": WORKER_ENV, "adamw": ADAMW},
                                            "disk": disk, "machine": machine, "rows": results, "table": table,
-                                           "bf16_table": bf16_table}, args.out)
+                                           "bf16_table": bf16_table, "planner_table": planner_table,
+                                           "hand": args.hand_keys}, args.out)
     print(f"\nwrote {path}")
     return 0 if all(r["status"] != "error" for r in results) else 1
 

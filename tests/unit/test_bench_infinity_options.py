@@ -94,3 +94,46 @@ def test_expected_disk_bytes_per_parameter():
            for row in ("zk-inf", "zk-inf-sib", "zk-inf-bf16", "zk-inf-sib-bf16", "ds-inf")}
     assert per == {"zk-inf": 18, "zk-inf-sib": 26, "zk-inf-bf16": 10, "zk-inf-sib-bf16": 14, "ds-inf": 18}
     assert B.n_params("7b") >= 7e9 and B.expected_disk_bytes("7b", "zk-inf-bf16") < 72e9
+
+
+def test_hand_rows_merge_their_keys_into_the_all_nvme_config():
+    """--hand LABEL=JSON adds a row 'hand-LABEL' run after --rows; its keys reach the worker's
+    config merged section by section, and a worker started for it knows the row."""
+    args = B.parse_args(["--rows", "zk-inf", "--hand",
+                         'cpu={"zero_optimization": {"offload_param": {"device": "cpu", '
+                         '"max_in_cpu": null}, "offload_optimizer": {"device": "cpu"}}}'])
+    assert list(args.hand_keys) == ["hand-cpu"] and B.ROWS["hand-cpu"][0] == "zerokit"
+    cfg = B.zk_config("/swap", "125m", None, overrides=args.hand_keys["hand-cpu"])
+    param, opt = cfg["zero_optimization"]["offload_param"], cfg["zero_optimization"]["offload_optimizer"]
+    assert param["device"] == "cpu" and "max_in_cpu" not in param
+    assert param["nvme_path"] == "/swap"  # the rest of the section stays
+    assert opt["device"] == "cpu" and opt["max_in_cpu"] == 0
+    worker = B.parse_args(["--worker", "hand-other", "--overrides", "{}"])
+    assert B.ROWS["hand-other"][0] == "zerokit" and worker.overrides == "{}"
+
+
+@pytest.mark.parametrize("spec,word", [("cpu={", "does not parse"), ("cpu=[1]", "JSON object"),
+                                       ("={}", "LABEL=JSON")])
+def test_bad_hand_rows_are_refused_naming_the_option(spec, word, capsys):
+    with pytest.raises(SystemExit):
+        B.parse_args(["--hand", spec])
+    err = capsys.readouterr().err
+    assert "--hand" in err and word in err
+
+
+def _ok(row, model, s, rss_gib, budget=None):
+    return {"row": row, "model": model, "status": "ok", "step_s": {"median": s},
+            "peak_rss_mb": rss_gib * 1024, "budget_gib": budget}
+
+
+def test_the_planner_table_compares_with_the_fastest_hand_row_that_fits():
+    results = [_ok("zk-inf-8g", "125m", 2.0, 5.0, 8.0), _ok("zk-inf-4g", "125m", 3.0, 4.5, 4.0),
+               _ok("hand-ram", "125m", 1.5, 7.0), _ok("hand-nvme", "125m", 2.9, 3.0),
+               _ok("hand-big", "1b", 0.1, 1.0)]  # another model: never compared
+    lines = B.planner_report(results).splitlines()
+    eight = next(line for line in lines if "zk-inf-8g" in line)
+    four = next(line for line in lines if "zk-inf-4g" in line)
+    assert "hand-ram" in eight and "1.33x" in eight and eight.rstrip().endswith("NO")
+    assert "hand-nvme" in four and "1.03x" in four and four.rstrip().endswith("yes")
+    assert " NO " in four  # its own RSS (4.5) is over its budget (4.0)
+    assert B.planner_report([_ok("zk-inf", "125m", 1.0, 1.0)]) is None
