@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -359,14 +360,16 @@ def run_worker(args) -> int:
         n = args.warmup + args.steps
         toks = [torch.randint(0, 256, (args.micro_batch, args.seq + 1), generator=g) for _ in range(n)]
         model.train()
-        losses, fwd, bwd, opt, total = [], [], [], [], []
+        losses, fwd, bwd, opt, total, faults = [], [], [], [], [], []
         for i in range(n):
             x, y = toks[i][:, :-1].contiguous(), toks[i][:, 1:].contiguous()
             dist.barrier()
             PROF.start_step(record=i == n - 1)
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = C.now()
             loss, t1, t2 = step(x, y)
             t3 = C.now()
+            f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             if i >= args.warmup:
                 PROF.end_step()
             losses.append(float(loss.detach()))
@@ -375,7 +378,9 @@ def run_worker(args) -> int:
                 bwd.append(t2 - t1)
                 opt.append(t3 - t2)
                 total.append(t3 - t0)
-        rec.update(step_s=total, forward_s=fwd, backward_s=bwd, optimizer_s=opt, losses=losses)
+                faults.append(f1 - f0)
+        rec.update(step_s=total, forward_s=fwd, backward_s=bwd, optimizer_s=opt, losses=losses,
+                   minor_faults=faults)
         rec["rss_end_mb"] = C.current_rss_mb()
         if args.profile:
             import torch
@@ -462,6 +467,9 @@ def run_row(name: str, args, log_dir: Path, extra_env: dict[str, str] | None = N
     res["step_s"] = C.summarize(step)
     for part in ("forward_s", "backward_s", "optimizer_s"):
         res[part] = C.summarize(C.elementwise_max([r[part] for r in ranks]))
+    # pages touched for the first time per step (memory freshly mapped: allocation churn), the
+    # busier rank's
+    res["minor_faults"] = C.summarize(C.elementwise_max([r["minor_faults"] for r in ranks]))
     res["peak_rss_mb_per_rank"] = [r["peak_rss_mb"] for r in ranks]
     res["peak_rss_mb"] = max(res["peak_rss_mb_per_rank"])
     res["peak_minus_baseline_mb"] = max(r["peak_rss_mb"] - r["rss_baseline_mb"] for r in ranks)
@@ -499,11 +507,12 @@ def report(results: dict[str, dict]) -> str:
     ddp_t = ddp.get("step_s", {}).get("median") if ddp.get("status") == "ok" else None
     ddp_m = ddp.get("peak_rss_mb") if ddp.get("status") == "ok" else None
     headers = ["row", "what", "step s (median)", "min", "max", "vs DDP", "vs DS-ZeRO-k",
-               "peak RSS/rank MiB", "RSS vs DDP", "RSS vs DS", "last loss", "|dloss| vs DDP", "note"]
+               "peak RSS/rank MiB", "RSS vs DDP", "RSS vs DS", "page faults/step", "last loss",
+               "|dloss| vs DDP", "note"]
     rows = []
     for name, r in results.items():
         if r["status"] != "ok":
-            rows.append([name, r["label"], "", "", "", "", "", "", "", "", "", "",
+            rows.append([name, r["label"], "", "", "", "", "", "", "", "", "", "", "",
                          f"{r['status']}: {r.get('reason', '')}"[:90]])
             continue
         t, m = r["step_s"]["median"], r["peak_rss_mb"]
@@ -514,7 +523,9 @@ def report(results: dict[str, dict]) -> str:
             name, r["label"], C.fmt_num(t), C.fmt_num(r["step_s"]["min"]), C.fmt_num(r["step_s"]["max"]),
             C.fmt_num(C.ratio(t, ddp_t), ".2f", "x"), C.fmt_num(C.ratio(t, peer_t), ".2f", "x"),
             C.fmt_num(m, ".0f"), C.fmt_num(C.ratio(m, ddp_m), ".2f", "x"),
-            C.fmt_num(C.ratio(m, peer_m), ".2f", "x"), C.fmt_num(r["final_loss_rank0"], ".4f"),
+            C.fmt_num(C.ratio(m, peer_m), ".2f", "x"),
+            C.fmt_num((r.get("minor_faults") or {}).get("median"), ".0f"),
+            C.fmt_num(r["final_loss_rank0"], ".4f"),
             C.fmt_num(r.get("max_abs_loss_diff_vs_ddp"), ".1e"), "",
         ])
     return C.format_table(headers, rows)

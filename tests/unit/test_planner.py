@@ -131,6 +131,30 @@ def test_a_tight_budget_moves_state_to_nvme_and_keeps_in_ram_what_fits():
     assert tighter.chosen.tier(NVME) >= c.tier(NVME) and tighter.chosen.seconds >= c.seconds
 
 
+def test_the_stream_keeps_its_full_read_ahead_unless_only_fewer_buffers_fit():
+    """3 stream buffers leave room for more max_in_cpu and so are predicted faster, but measured
+    1.3x slower at 1B (one sub-group read ahead instead of two): a 4-buffer candidate that fits
+    is taken; 3 only where no 4-buffer one fits. Small sub-groups make one buffer set cheap."""
+    cfg = _cfg(zero={"sub_group_size": 2048})
+
+    def plan(budget):
+        return choose(_inputs(cfg, budget, process=50 << 20), BW)
+
+    floor = min(_host_need(planner.predict(_inputs(cfg, 1 << 30, process=50 << 20),
+                                           planner.Choice("nvme", 0, pb, "nvme", 1.0, 0, ob, False), BW))
+                for pb in (5, 2) for ob in (4, 3))
+    mid = plan(floor + (1 << 20))
+    c = mid.chosen
+    assert c.choice.optimizer == "nvme" and c.choice.opt_buffer_count == 4, mid.explain()
+    predicted_faster = [p for p in mid.considered if p.fits and p.choice.opt_buffer_count == 3
+                        and p.seconds < c.seconds]
+    assert predicted_faster, mid.explain()  # the rule, not the time model, decided
+    assert "full read-ahead (buffer_count 4) fits" in mid.explain()
+    tight = plan(floor)  # one buffer set short of any 4-buffer candidate
+    assert tight.chosen.choice.opt_buffer_count == 3, tight.explain()
+    assert "full read-ahead" not in tight.explain()
+
+
 def test_an_impossible_budget_is_refused_naming_the_smallest_budget_that_works():
     cfg = _cfg()
     inputs = _inputs(cfg, 1 << 20, process=64 << 20)
