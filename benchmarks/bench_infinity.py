@@ -21,6 +21,10 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
                --ds-rss-gib)
   zk-inf-half  zerokit, host budget = half of that
   zk-inf-8g    zerokit, host budget 8 GiB (the "largest model that trains here" row)
+  zk-inf-4g    zerokit, host budget 4 GiB
+  hand-LABEL   --hand LABEL=JSON: the zk-inf config with JSON merged in, tuned by hand (issue
+               #28); a third table sets each budgeted row beside the fastest hand row whose peak
+               RSS fits its budget
   zk-opt-nvme  zerokit, 16-bit weights in host memory (offload_param cpu), master, gradients and
                optimizer state on NVMe (works without NVMe weights)
   zk-inf-ds-dpu zk-inf-ds with the one-step delayed update (offload_optimizer.delayed_update):
@@ -44,7 +48,7 @@ parameter, 99.5 GB, more than the disk holds; not tried).
 Both sides take `gradient_clipping` (--clipping, default 1.0: DeepSpeed's default; 0 turns it off)
 and `gradient_accumulation_steps` (--accumulation, default 1): a timed step is that many
 micro-steps (forward, backward, step() each), and tokens/s counts all of them.
-The budgeted rows (zk-inf-ds, zk-inf-half, zk-inf-8g, and the -dpu and -clip variants) pass
+The budgeted rows (zk-inf-ds, zk-inf-half, zk-inf-8g, zk-inf-4g, and the -dpu and -clip variants) pass
 `memory.host` and nothing else placement-wise: offload_optimizer.device and offload_param.device
 are "auto" (with the swap folder as their nvme_path) and max_in_cpu, buffer counts, the Twin-Flow
 ratio and step_in_backward are left out, so zerokit's placement planner (engine/planner.py)

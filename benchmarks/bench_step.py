@@ -14,7 +14,8 @@ micro-batch 4, AdamW, fp32, random byte tokens from a fixed seed): a few warm-up
 timed steps. A step is forward + backward + optimizer step (+ zero_grad); its time is the slowest
 rank's, and the row reports the median over the timed steps, and the peak RSS of the biggest rank
 (ru_maxrss, so it includes the libraries' own import footprint; the JSON also has the peak minus
-the RSS just before the model was built). Every measured number goes to
+the RSS just before the model was built) and the minor page faults per step (memory touched
+for the first time: allocation churn; the busier rank's median). Every measured number goes to
 benchmarks/results/bench_step-<timestamp>.json (and bench_step-latest.json) with the machine
 description; each row's raw torchrun output goes to benchmarks/results/logs/.
 

@@ -30,12 +30,9 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    serial sum), so read-ahead counts show only in bytes: between candidates within 0.5% in
    time the planner keeps fewer NVMe bytes, then the larger read-ahead, then fewer host bytes.
 4. choice: hot data stays in the fastest tier that fits: if any candidate without NVMe bytes
-   fits, no candidate with them is chosen; then, where the optimizer streams from NVMe, a
-   candidate with the stream's full read-ahead (buffer_count 4: two sub-groups read ahead) is
-   taken over one with 3 (one read ahead) whenever one fits, since the time model does not see
-   the read-ahead and 3 buffers measured 1.3x the step time at the same bytes (1B GPT,
-   bench_infinity --hand, 2026-11-27: 21.3 s with 3 buffers and 410M elements in RAM, 16.4 s
-   with 4 and 430M); among the rest, the fastest. Rank 0 logs every
+   fits, no candidate with them is chosen; then a candidate with the NVMe stream's full
+   read-ahead (buffer_count 4) over one with 3 whenever one fits: the time model cannot see the
+   read-ahead, and 3 measured 1.3x the step at 1B (docs/offload.md); among the rest, the fastest. Rank 0 logs every
    candidate with its predicted time and bytes per tier, and why the chosen one won. No
    candidate fitting raises PlacementBudgetError with the closest one's bytes per tier and kind
    and the smallest budget per tier that some candidate fits.
