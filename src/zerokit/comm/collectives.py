@@ -340,7 +340,8 @@ class Comm:
         rows = full.view(self.world_size, n) if full.dim() == 1 else full
         scale = post_scale if post_scale is not None else 1.0 / self.world_size if average else 1.0
         if self.world_size == 1:
-            out.copy_(rows[0].view_as(out))
+            if out.data_ptr() != rows.data_ptr():  # not reduced in place (Unit reduces in place)
+                out.copy_(rows[0].view_as(out))
             return Handle(None, None, self._describer("reduce_scatter", where), done=True)
         nbytes = full.numel() * full.element_size()
         if self.backend == "gloo":

@@ -157,7 +157,9 @@ class DeepSpeedEngineAPI:
     def empty_partition_cache(self) -> None:
         """Release every gathered stage-3 parameter, persistent ones too, as DeepSpeed's (to free
         device memory between training and inference); each is gathered again at its next use.
-        Below stage 3 nothing is partitioned and this does nothing, as in DeepSpeed."""
+        Below stage 3 nothing is partitioned and this does nothing, as in DeepSpeed; at every
+        stage the idle scratch buffers kept for the next step are freed (tiers/scratch.py)."""
+        self.ledger.scratch.drop_idle()
         if not self.policy.shard_weights:
             return
         if self.training_state is not TrainingState.IDLE:

@@ -12,6 +12,8 @@ a time; the few operations that need the whole master (an edit under GatheredPar
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from zerokit.io.aio import wait_all
@@ -41,6 +43,10 @@ def fill_range(nvme: NvmeTier, rng: FileRange, values: torch.Tensor | float) -> 
     nvme.write(rng, buf).wait()
 
 
+def _nothing() -> None:
+    pass
+
+
 # Gradient bytes copied out of the reduction's buckets whose writes may be in flight at once.
 GRAD_WRITES_IN_FLIGHT_BYTES = 64 << 20
 
@@ -62,7 +68,8 @@ class FileGradient:
 
     def __init__(self, nvme: NvmeTier, rng: FileRange):
         self.nvme, self.range = nvme, rng
-        self._writes: list[tuple[NvmeHandle, torch.Tensor]] = []  # in flight, with their buffers
+        # in flight, with their buffers and the functions giving those back (scratch buffers)
+        self._writes: list[tuple[NvmeHandle, torch.Tensor, Callable[[], None]]] = []
         self._written: dict[tuple[int, int], float] = {}  # [lo, hi) since clear -> sum of squares
         self._exact = True  # the sums above cover exactly what the file holds
 
@@ -75,24 +82,34 @@ class FileGradient:
             for gap_lo, gap_hi in uncovered(lo, hi, overlapped):  # never written since clear: zero
                 buf[gap_lo - lo:gap_hi - lo] = 0.0
             buf.add_(piece.to("cpu"))  # earlier + piece, rounded once to the file's dtype
+            give_back = _nothing
             for a, b in overlapped:  # what lies outside this piece stays written
                 del self._written[(a, b)]
                 for rest in ((a, lo), (hi, b)):
                     if rest[0] < rest[1]:
                         self._written[rest] = 0.0  # its share of the sum is unknown now
                         self._exact = False
-        else:
-            buf = host_buffer(hi - lo, self.range.dtype)
+        else:  # the same sizes every step: a scratch buffer (see [Note: scratch buffers])
+            buf, give_back = self.nvme.ledger.scratch.take("buffers", hi - lo, self.range.dtype,
+                                                           TierName.HOST)
             buf.copy_(piece)
         self._written[(lo, hi)] = host_kernels.grad_sq_norm(buf)[0]  # the host part's kernel
-        self._writes.append((self.nvme.write(self.range.narrow(lo, hi - lo), buf), buf))
-        while sum(b.numel() * b.element_size() for _, b in self._writes) > GRAD_WRITES_IN_FLIGHT_BYTES:
-            self._writes.pop(0)[0].wait()
+        self._writes.append((self.nvme.write(self.range.narrow(lo, hi - lo), buf), buf, give_back))
+        while sum(b.numel() * b.element_size() for _, b, _ in self._writes) > GRAD_WRITES_IN_FLIGHT_BYTES:
+            handle, _, give_back = self._writes.pop(0)
+            try:
+                handle.wait()
+            finally:
+                give_back()  # it has ended, failed or not
 
     def settle(self) -> None:
         """Every write in flight has ended (the first failure raised after all of them)."""
         writes, self._writes = self._writes, []
-        wait_all(handle for handle, _ in writes)
+        try:
+            wait_all(handle for handle, _, _ in writes)
+        finally:  # every write has ended, failed or not (wait_all waits for all of them)
+            for _, _, give_back in writes:
+                give_back()
 
     def sq_norm(self) -> float:
         self.settle()

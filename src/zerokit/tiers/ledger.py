@@ -23,6 +23,7 @@ import torch
 
 from zerokit.sizes import mib
 from zerokit.tier_names import TierName
+from zerokit.tiers.scratch import ScratchCache
 from zerokit.tiers.timeline import MemoryTimeline, Timeline
 
 TIERS = tuple(TierName)
@@ -33,10 +34,6 @@ KINDS = ("weights", "grads", "master", "optimizer_state", "buffers", "activation
 
 class BudgetExceededError(MemoryError):
     """An allocation would take a tier past its budget (config "memory")."""
-
-
-def tier_of(t: torch.Tensor) -> TierName:
-    return TierName.DEVICE if t.device.type != "cpu" else TierName.HOST
 
 
 class Ledger:
@@ -51,6 +48,8 @@ class Ledger:
         self.timeline = Timeline()  # see [Note: the memory timeline] in tiers/timeline.py
         self._budget: dict[str, tuple[int, str]] = {}  # tier -> (bytes, where it came from)
         self._tier_now: dict[str, int] = defaultdict(int)
+        self._cached: dict[str, int] = defaultdict(int)  # tier -> idle scratch bytes
+        self.scratch = ScratchCache(self)  # a step's transient host buffers, reused (tiers/scratch.py)
 
     def set_budget(self, tier: str, nbytes: int | None, source: str = "") -> None:
         """Enforce `nbytes` on `tier` from now on (None: no budget); see [Note: budgets]."""
@@ -76,6 +75,8 @@ class Ledger:
 
     def _over(self, tier: TierName, nbytes: int, what: str, limit: int) -> str:
         kinds = ", ".join(f"{k} {mib(v)}" for k in KINDS if (v := self._current.get((tier, k), 0)))
+        if self._cached.get(tier):
+            kinds += f", idle scratch buffers {mib(self._cached[tier])}"
         source = self._budget.get(tier, (0, ""))[1]
         return (f"the {tier.value} budget of {mib(limit)}{f' ({source})' if source else ''} would be "
                 f"crossed: {mib(self._tier_now[tier])} held ({kinds or 'nothing'}) + "
@@ -93,7 +94,9 @@ class Ledger:
         self.timeline.set_phase(name)
 
     def end_step(self) -> None:
-        """The step ended: its timeline becomes `last_step_timeline()`."""
+        """The step ended: its timeline becomes `last_step_timeline()`; scratch sizes it did not
+        use are freed."""
+        self.scratch.end_step()
         self.timeline.end_step(self._current)
 
     def last_step_timeline(self) -> MemoryTimeline:
@@ -105,8 +108,11 @@ class Ledger:
             if tier not in TIERS:
                 raise ValueError(f"tier {tier!r} is not one of {_TIER_TEXT}")
             return TierName(tier)
-        found = tier_of(t)
-        return TierName.DEVICE if found is TierName.HOST and self.cpu_is_device else found
+        return self.cpu_tier() if t.device.type == "cpu" else TierName.DEVICE
+
+    def cpu_tier(self) -> TierName:
+        """Where host memory is counted when no tier is named: 'device' on a CPU-only run."""
+        return TierName.DEVICE if self.cpu_is_device else TierName.HOST
 
     def _add(self, key: tuple[str, str], nbytes: int, what: "str | Callable[[], str]" = "") -> None:
         """Every change of a count comes here (a release adds a negative count)."""
@@ -117,6 +123,23 @@ class Ledger:
         if now > self._peak[key]:
             self._peak[key] = now
         self.timeline.note(key[0], key[1], now)
+
+    def count(self, tier: str, kind: str, nbytes: int, what: "str | Callable[[], str]" = "") -> None:
+        """Count `nbytes` (negative: fewer) of `kind` on `tier` that nobody holds by name: the
+        scratch cache's buffers in use (tiers/scratch.py). Growth is checked against the budget."""
+        self._add((TierName(tier), kind), nbytes, what)
+
+    def count_cached(self, tier: str, nbytes: int) -> None:
+        """Idle scratch buffers (negative: fewer): held by the process, so they count against the
+        tier's budget, but allocated to no kind (as CUDA's reserved against allocated bytes); the
+        per-kind tables and the peaks leave them out."""
+        tier = TierName(tier)
+        self._tier_now[tier] += nbytes
+        self._cached[tier] += nbytes
+
+    def cached_bytes(self, tier: str | None = None) -> int:
+        """Bytes of idle scratch buffers kept for reuse (tiers/scratch.py)."""
+        return sum(v for t, v in self._cached.items() if tier is None or t == tier)
 
     def hold_bytes(self, name: str, kind: str, tier: str, nbytes: int) -> None:
         """Count bytes under a name: a tier's allocation (tiers/tier.py), or bytes another owner

@@ -58,6 +58,7 @@ then neither unlinks nor zeroes what the step reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -306,10 +307,11 @@ class Unit:
                              or self.layout.aliases(name, "master_grad"))
                 return self._reduce_into_master(local, lambda: None, in_master)
             full = local.to(self.reduce_dtype)
+            release = self.ledger.transient("buffers", full)
         else:
             # Not zeros: the gradients overwrite nearly all of it, so zero only what they do not
             # (a parameter without a gradient, the padding); one pass over the bucket, not two.
-            full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+            full, release = self._reduction_bucket()
             for s in self.slots:
                 g, part = s.param.grad, full[s.offset:s.offset + s.numel]
                 if g is None:
@@ -318,7 +320,15 @@ class Unit:
                 part.copy_(g.reshape(-1))
                 s.param.grad = None  # stage 2: the full-size gradient lives only in the bucket
             full[self.numel:].zero_()
-        return self._reduce_into_master(full, self.ledger.transient("buffers", full), False)
+        return self._reduce_into_master(full, release, False)
+
+    def _reduction_bucket(self) -> tuple[torch.Tensor, Callable[[], None]]:
+        """The unit's full gradient in the reduce dtype, and the function that frees it: on a
+        CPU device a scratch buffer, reused step after step (see [Note: scratch buffers])."""
+        if self.device.type == "cpu":
+            return self.ledger.scratch.take("buffers", self.padded_numel, self.reduce_dtype)
+        full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+        return full, self.ledger.transient("buffers", full)
 
     def _reduce_into_master(self, full: torch.Tensor, release, in_master: bool) -> Handle:
         """Average `full` over ranks into master_grad, in collectives of at most bucket_numel.
@@ -336,7 +346,9 @@ class Unit:
                                                 unit=self.index, post_scale=post))
             deliver = (lambda: None) if in_master else (lambda: self._deliver(full, 0, self.padded_numel))
             return Handle.joined(handles, lambda: (deliver(), release()))
-        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        # At world 1 the reduce-scatter would copy `full` into `out`: `full` is the result.
+        out = full if world == 1 else torch.empty(self.shard_numel, dtype=self.reduce_dtype,
+                                                  device=self.device)
         chunk = max(ALIGN, -(-self.bucket_numel // (world * ALIGN)) * ALIGN)
         rows = full.view(world, self.shard_numel)
         for lo in range(0, self.shard_numel, chunk):

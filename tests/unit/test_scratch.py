@@ -1,0 +1,105 @@
+"""Scratch buffers (tiers/scratch.py): a step's transient host buffers reused, counted while
+taken, held (against the budget, in no kind) while idle, freed when a step did not use them.
+Page faults are measured with getrusage, not inferred from the cache's own counters."""
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+
+from zerokit.tier_names import TierName
+from zerokit.tiers.ledger import BudgetExceededError, Ledger
+
+MiB = 1 << 20
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_a_buffer_given_back_is_the_next_take_of_its_size_without_faulting_it_in() -> None:
+    ledger = Ledger()
+    n = 16 * MiB // 4
+    buf, give_back = ledger.scratch.take("buffers", n, torch.float32, TierName.HOST)
+    buf.fill_(1.0)  # first touch: the pages fault in here
+    address = buf.data_ptr()
+    give_back()
+    before = _faults()
+    again, give_back = ledger.scratch.take("buffers", n, torch.float32, TierName.HOST)
+    again.fill_(2.0)
+    faulted = _faults() - before
+    assert again.data_ptr() == address
+    # 4096 pages would fault in a fresh 16 MiB buffer; a reused one faults none of them
+    assert faulted < 64, faulted
+    give_back()
+
+
+def test_counted_as_their_kind_while_taken_and_against_the_budget_only_while_idle() -> None:
+    ledger = Ledger(cpu_is_device=False)
+    a, give_a = ledger.scratch.take("grads", 1000, torch.float32, TierName.HOST)
+    assert a.numel() == 1000 and a.dtype == torch.float32 and a.data_ptr() % 4096 == 0
+    assert ledger.bytes(TierName.HOST, "grads") == 4096  # 4000 bytes, rounded to what it holds
+    give_a()
+    give_a()  # idempotent
+    assert ledger.bytes(TierName.HOST) == 0 and ledger.cached_bytes(TierName.HOST) == 4096
+    assert ledger.bytes(TierName.HOST, "grads", peak=True) == 4096
+    # the host tier is where host memory is counted on a run with a GPU; "device" on a CPU-only one
+    b, give_b = ledger.scratch.take("buffers", 10, torch.bfloat16)
+    assert ledger.bytes(TierName.HOST, "buffers") == 4096
+    give_b()
+    assert Ledger(cpu_is_device=True).cpu_tier() is TierName.DEVICE
+
+
+def test_a_step_frees_the_idle_sizes_it_did_not_take() -> None:
+    ledger = Ledger(cpu_is_device=False)
+    for n in (1024, 2048):
+        ledger.scratch.take("buffers", n, torch.float32)[1]()
+    ledger.end_step()  # both sizes taken in this step: kept
+    assert ledger.cached_bytes() == 3 * 4096
+    ledger.scratch.take("buffers", 1024, torch.float32)[1]()
+    ledger.end_step()  # 2048 not taken this step: freed
+    assert ledger.cached_bytes() == 4096
+    ledger.scratch.drop_idle()
+    assert ledger.cached_bytes() == 0 and ledger.scratch.idle_bytes == 0
+
+
+def test_a_take_past_the_budget_frees_the_idle_buffers_first_then_fails() -> None:
+    ledger = Ledger(cpu_is_device=False)
+    ledger.set_budget(TierName.HOST, 3 * 4096, "test")
+    ledger.scratch.take("buffers", 2048, torch.float32)[1]()  # 8192 idle of a 12288 budget
+    # a second size: 8192 idle + 8192 new would cross; dropping the idle one makes room
+    c, give_c = ledger.scratch.take("buffers", 2047, torch.float32)
+    assert ledger.cached_bytes() == 0 and ledger.bytes(TierName.HOST) == 8192
+    with pytest.raises(BudgetExceededError, match="scratch buffers buffer of 2,048 elements"):
+        ledger.scratch.take("buffers", 2048, torch.float32)
+    give_c()
+    assert ledger.bytes(TierName.HOST) == 0 and ledger.cached_bytes() == 8192
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_world_1_step_takes_every_reduction_and_gradient_piece_from_the_cache(tmp_path, stage) -> None:
+    """The reduction buckets (units/unit.py) and the gradient pieces written to NVMe files
+    (parts/nvme.py) are scratch buffers: after the first step, every take is a reuse; the idle
+    ones go with empty_partition_cache."""
+    import zerokit
+    from reference import tiny_gpt
+
+    torch.set_num_threads(1)
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "offload_optimizer": {
+            "device": "nvme", "nvme_path": str(tmp_path), "step_in_backward": False}}})
+    stats, counts = engine.ledger.scratch.stats, []
+    for _ in range(3):
+        x = torch.randint(0, 50, (2, 16))
+        engine.backward(engine(x, x))
+        engine.step()
+        counts.append(dict(stats))
+    taken = counts[2]["taken"] - counts[1]["taken"]
+    reused = counts[2]["reused"] - counts[1]["reused"]
+    # one bucket per unit and at least one gradient piece per unit's nvme part
+    assert taken >= 2 * len(engine.units) and reused == taken, counts
+    assert engine.ledger.cached_bytes() > 0
+    engine.empty_partition_cache()
+    assert engine.ledger.cached_bytes() == 0
