@@ -19,7 +19,7 @@ Only rank 0 measures; initialize broadcasts its figures so that every rank plans
 With more than one rank, `all_gather_rate` times the process group's own all-gather (the
 engine's Comm, so gloo's direct exchange or NCCL's collective, as the units use them) at
 GATHER_PROBE_BYTES per rank (one size where the latency dominates, one where the bandwidth
-does), best of three after a warm-up, each trial started behind a barrier; the time of a size is
+does; the gathered buffer at most GATHER_PROBE_MOST, a transient on the device), best of three after a warm-up, each trial started behind a barrier; the time of a size is
 the slowest rank's best (a max all-reduce), so every rank fits the same figures:
 t = alpha + bytes / beta, with bytes the gathered buffer's (every rank's piece), alpha >= 0.
 A reduce-scatter moves the same bytes, so the gradient buckets are sized from it too
@@ -44,6 +44,7 @@ import torch
 PROBE_BYTES = 64 << 20
 DISK_REQUEST_BYTES = 4 << 20  # the disk probe's request size: the rates hold for requests this large
 GATHER_PROBE_BYTES = (256 << 10, 16 << 20)  # per rank: latency-bound, then bandwidth-bound
+GATHER_PROBE_MOST = 256 << 20  # the gathered buffer at most (many ranks: smaller pieces each)
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,7 @@ def measure_all_gather(comm, per_rank: tuple[int, int] = GATHER_PROBE_BYTES,
                        repeats: int = 3) -> AllGatherRate:
     """The probe of [Note: the all-gather probe]: a collective, every rank calls it."""
     times = []
+    per_rank = tuple(min(b, GATHER_PROBE_MOST // comm.world_size) for b in per_rank)
     for nbytes in per_rank:
         n = nbytes // 4
         full = torch.zeros(comm.world_size * n, dtype=torch.float32, device=comm.device)
