@@ -3,7 +3,10 @@ gloo ranks with a host budget and no placement key (the offload sections say onl
 is) trains as the one-process torch reference does, and the ledger's peak host bytes and the
 process's RSS stay under the budget. A roomy budget puts nothing on NVMe; a budget below what the
 states need in RAM puts part of them on NVMe; an impossible one is refused at initialize on every
-rank with the smallest budget that would work. Bandwidths are injected (the probe is replaced)."""
+rank with the smallest budget that would work. Bandwidths are injected (the probe is replaced),
+except the all-gather's: at 2 ranks the real probe runs on gloo, every rank ends with the same
+figures, they are cached, and the bucket and prefetch sizes chosen from them (engine/size_plan.py)
+are what the engine runs, training as the reference does."""
 from __future__ import annotations
 
 import pytest
@@ -41,15 +44,20 @@ def _config(path: str, host: int) -> dict:
             "aio": {"block_size": 65536, "queue_depth": 4, "thread_count": 2}}
 
 
-def _train(rank, world, path, headroom, cache):
-    """headroom: the budget is this rank's RSS now plus this many bytes."""
+def _train(rank, world, path, headroom, cache, again=False):
+    """headroom: the budget is this rank's RSS now plus this many bytes. again: initialize a
+    second time after training (the cached all-gather rate)."""
     import logging
     import os
 
     import psutil
 
     import zerokit
-    from zerokit.engine import bandwidths
+    from zerokit.engine import bandwidths, planner
+
+    plans = []  # what initialize planned, sizes included
+    planned = planner.plan_at_initialize
+    planner.plan_at_initialize = lambda *a: plans.append(planned(*a)) or plans[-1]
 
     os.environ["ZEROKIT_CACHE_DIR"] = cache
     bandwidths.PROBE = lambda p, d: bandwidths.Bandwidths(10e9, 2e9, 1e9, 400e6, 100e6, "", "injected")
@@ -71,9 +79,28 @@ def _train(rank, world, path, headroom, cache):
            "nvme": engine.ledger.bytes(tier="nvme", peak=True),
            "rss": psutil.Process().memory_info().rss,
            "placement": engine.placement.describe() + " | " + engine.placement.describe_params(),
-           "log": [r for r in records if r.startswith("memory planner")]}
+           "log": [r for r in records if r.startswith("memory planner")],
+           "sizes": _sizes(plans[-1], engine)}
     engine.destroy()
+    if again:  # the process grew while training: the same headroom over its RSS now
+        budget = _max(psutil.Process().memory_info().rss + headroom)
+        engine, *_ = zerokit.initialize(model=_make(), config=_config(path, budget))
+        out["again"] = _sizes(plans[-1], engine)
+        engine.destroy()
     return out
+
+
+def _sizes(plan, engine) -> dict:
+    """The chosen sizes and the all-gather figures as planned, and as the engine runs them."""
+    zero = engine.config.zero_optimization
+    gather = plan.sizes.gather
+    return {"chosen": plan.sizes.chosen, "bound": plan.sizes.bound,
+            "gather": (gather.alpha, gather.beta, gather.source) if gather else None,
+            "config": (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size, zero.sub_group_size),
+            "shown": {k: engine.config["zero_optimization"].get(k) for k in plan.sizes.chosen},
+            "units": {u.bucket_numel for u in engine.units},
+            "prefetch": engine.scheduler.prefetch_numel,
+            "largest_unit": max(u.padded_numel for u in engine.units)}
 
 
 def _max(value: int) -> int:
@@ -105,6 +132,40 @@ def test_a_roomy_host_budget_trains_with_nothing_on_nvme(tmp_path, world):
     assert log and "chosen:" in log[0] and "=>" in log[0], log
     assert not results[1]["log"] if world == 2 else True  # rank 0 explains
     _check_parity(results, world)
+
+
+def test_two_ranks_probe_the_all_gather_alike_cache_it_and_run_the_sizes_chosen(tmp_path):
+    import json
+
+    results = run_world(_train, 2, str(tmp_path), 256 << 20, str(tmp_path / "cache"), True)
+    first = [r["sizes"] for r in results]
+    for r in results:
+        assert "error" not in r, r.get("error")
+    alpha, beta, source = first[0]["gather"]
+    assert source == "measured" and beta > 0 and alpha >= 0
+    assert first[1]["gather"] == first[0]["gather"]  # the same figures on both ranks
+    assert first[1]["chosen"] == first[0]["chosen"]
+    for s in first:
+        chosen = s["chosen"]
+        # sub_group_size is set in the config (kept); the bucket and the prefetch are chosen
+        assert set(chosen) == {"reduce_bucket_size", "stage3_prefetch_bucket_size"}, s
+        assert chosen["reduce_bucket_size"] >= s["largest_unit"]  # one unit, one collective
+        assert s["config"] == (chosen["reduce_bucket_size"], chosen["stage3_prefetch_bucket_size"], 5000)
+        assert s["shown"] == chosen  # engine.config's DeepSpeed dict
+        assert s["units"] == {chosen["reduce_bucket_size"]}
+        assert s["prefetch"] == chosen["stage3_prefetch_bucket_size"] > 0
+    log = results[0]["log"][0]
+    assert f"reduce_bucket_size {first[0]['chosen']['reduce_bucket_size']:,} elements" in log, log
+    assert "sizes: all-gather alpha" in log
+    # cached by rank 0 under this world and backend, read back by the second initialize
+    entries = json.loads((tmp_path / "cache" / "bandwidths.json").read_text())
+    (key,) = [k for k in entries if "|all-gather|" in k]
+    assert key.endswith("|all-gather|world 2|gloo") and entries[key]["measured_at"]
+    again = [r["again"] for r in results]
+    assert again[0]["gather"][2].startswith("cached in") and again[1]["gather"][2] == "rank 0's cache"
+    assert again[0]["gather"][:2] == again[1]["gather"][:2] == (alpha, beta)
+    assert again[0]["chosen"] == first[0]["chosen"]
+    _check_parity(results, 2)
 
 
 @pytest.mark.parametrize("world", [1, 2])

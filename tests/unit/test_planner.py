@@ -41,8 +41,8 @@ def _cfg(stage: int = 3, zero: dict | None = None, nvme: str | None = "/swap", *
 
 
 def _inputs(cfg, host: int | None, *, device: int | None = None, cuda: bool = False,
-            world: int = 1, process: int = 0, transients: int = 0) -> PlanInputs:
-    model = tiny_gpt(cfg=MODEL)
+            world: int = 1, process: int = 0, transients: int = 0, model=None) -> PlanInputs:
+    model = model if model is not None else tiny_gpt(cfg=MODEL)
     recipe = recipe_from(model, None, None, cfg.optimizer)
     groups = group_parameters(model, select_modules(model, None), recipe.group_of)
     budgets = {}

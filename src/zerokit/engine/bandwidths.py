@@ -14,6 +14,19 @@ Cached in `$ZEROKIT_CACHE_DIR/bandwidths.json` (default `~/.cache/zerokit`) unde
 the same machine and path reads them instead of probing again (delete the file to re-measure).
 `PROBE` is the function `rates()` calls to measure: tests replace it with fixed numbers.
 Only rank 0 measures; initialize broadcasts its figures so that every rank plans alike.
+
+[Note: the all-gather probe]
+With more than one rank, `all_gather_rate` times the process group's own all-gather (the
+engine's Comm, so gloo's direct exchange or NCCL's collective, as the units use them) at
+GATHER_PROBE_BYTES per rank (one size where the latency dominates, one where the bandwidth
+does; the gathered buffer at most GATHER_PROBE_MOST, a transient on the device), best of three after a warm-up, each trial started behind a barrier; the time of a size is
+the slowest rank's best (a max all-reduce), so every rank fits the same figures:
+t = alpha + bytes / beta, with bytes the gathered buffer's (every rank's piece), alpha >= 0.
+A reduce-scatter moves the same bytes, so the gradient buckets are sized from it too
+(engine/size_plan.py). Cached in the same file under "<host>|<device type>|all-gather|world
+<n>|<backend>" (rank 0's host and cache decide, and broadcast whether to probe, so all ranks
+take the same branch); `ALL_GATHER_PROBE` is the function it calls to measure (tests inject
+fixed numbers; it must give every rank the same figures). World 1: no probe, None.
 """
 from __future__ import annotations
 
@@ -29,7 +42,9 @@ from typing import Callable
 import torch
 
 PROBE_BYTES = 64 << 20
-_CHUNK = 4 << 20
+DISK_REQUEST_BYTES = 4 << 20  # the disk probe's request size: the rates hold for requests this large
+GATHER_PROBE_BYTES = (256 << 10, 16 << 20)  # per rank: latency-bound, then bandwidth-bound
+GATHER_PROBE_MOST = 256 << 20  # the gathered buffer at most (many ranks: smaller pieces each)
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,36 @@ class Bandwidths:
         return cls(h, r or None, w or None, ha, da, measured_at, source)
 
 
+@dataclass(frozen=True)
+class AllGatherRate:
+    """One all-gather of `nbytes` (the gathered buffer) takes alpha + nbytes / beta seconds."""
+
+    alpha: float  # s
+    beta: float   # bytes/s
+    measured_at: str = ""
+    source: str = "measured"
+
+    def __post_init__(self):
+        if not (isinstance(self.alpha, (int, float)) and self.alpha >= 0):
+            raise ValueError(f"all-gather alpha must be a number >= 0 s (got {self.alpha!r})")
+        if not (isinstance(self.beta, (int, float)) and self.beta > 0):
+            raise ValueError(f"all-gather beta must be a positive number (got {self.beta!r})")
+
+    def describe(self) -> str:
+        return (f"all-gather alpha {self.alpha * 1e6:.0f} us, beta {self.beta / 1e9:.2f} GB/s "
+                f"({self.source}{', ' + self.measured_at if self.measured_at else ''})")
+
+
+def fit_latency_bandwidth(nbytes: tuple[int, int], seconds: tuple[float, float]) -> tuple[float, float]:
+    """(alpha, beta) of the line through two timings; a larger size timed no slower (noise)
+    is read as all bandwidth, a negative intercept as no latency."""
+    (b1, b2), (t1, t2) = nbytes, seconds
+    if t2 <= t1:
+        return 0.0, b2 / t2
+    beta = (b2 - b1) / (t2 - t1)
+    return max(0.0, t1 - b1 / beta), beta
+
+
 def _best(fn: Callable[[], None], times: int = 3) -> float:
     best = float("inf")
     for _ in range(times):
@@ -88,8 +133,8 @@ def host_copy_rate(nbytes: int = PROBE_BYTES) -> float:
 
 def disk_rates(path: str, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
     """(read, write) bytes/s of a sequential file of `nbytes` in `path`, removed after."""
-    buf = mmap.mmap(-1, _CHUNK)  # page-aligned, as O_DIRECT needs
-    buf.write(b"\x5a" * _CHUNK)
+    buf = mmap.mmap(-1, DISK_REQUEST_BYTES)  # page-aligned, as O_DIRECT needs
+    buf.write(b"\x5a" * DISK_REQUEST_BYTES)
     name = os.path.join(path, f".zerokit-bandwidth-probe-{os.getpid()}")
     direct = getattr(os, "O_DIRECT", 0)
     try:
@@ -100,7 +145,7 @@ def disk_rates(path: str, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
             fd = os.open(name, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
         t0 = time.perf_counter()
         try:
-            for _ in range(nbytes // _CHUNK):
+            for _ in range(nbytes // DISK_REQUEST_BYTES):
                 os.write(fd, buf)
             os.fsync(fd)
         finally:
@@ -111,7 +156,7 @@ def disk_rates(path: str, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
             if not direct and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             t0 = time.perf_counter()
-            while os.readv(fd, [buf]) == _CHUNK:
+            while os.readv(fd, [buf]) == DISK_REQUEST_BYTES:
                 pass
             read = nbytes / (time.perf_counter() - t0)
         finally:
@@ -148,32 +193,93 @@ def _key(nvme_path: str | None, device: torch.device) -> str:
     return f"{socket.gethostname()}|{device.type}|{os.path.realpath(nvme_path) if nvme_path else '-'}"
 
 
-def rates(nvme_path: str | None, device: torch.device) -> Bandwidths:
-    """This machine's rates for `nvme_path` on `device`: from the cache, else measured by
-    `PROBE` and cached (a cache that cannot be read or written is measured past, not fatal)."""
-    path, key = cache_file(), _key(nvme_path, device)
+def _cached(kind: type, key: str):
+    """The cache's `kind` entry under `key`, or None (missing, old or damaged: measure again)."""
+    path = cache_file()
+    try:
+        with open(path) as f:
+            entry = json.load(f).get(key)
+        fields = {f.name: entry[f.name] for f in dataclasses.fields(kind) if f.name != "source"}
+        return kind(**fields, source=f"cached in {path}")
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def _store(key: str, found) -> None:
+    """Adds `found` under `key` (a cache that cannot be read or written is measured past)."""
+    path = cache_file()
     try:
         with open(path) as f:
             cached = json.load(f)
     except (OSError, ValueError):
         cached = {}
-    entry = cached.get(key) if isinstance(cached, dict) else None
-    if isinstance(entry, dict):
-        try:
-            fields = {f.name: entry[f.name] for f in dataclasses.fields(Bandwidths) if f.name != "source"}
-            return Bandwidths(**fields, source=f"cached in {path}")
-        except (KeyError, TypeError, ValueError):
-            pass  # an old or damaged entry: measure again
-    found = PROBE(nvme_path, device)
-    entry = {k: v for k, v in dataclasses.asdict(found).items() if k != "source"}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         cached = cached if isinstance(cached, dict) else {}
-        cached[key] = entry
+        cached[key] = {k: v for k, v in dataclasses.asdict(found).items() if k != "source"}
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(cached, f, indent=1)
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def rates(nvme_path: str | None, device: torch.device) -> Bandwidths:
+    """This machine's rates for `nvme_path` on `device`: from the cache, else measured by
+    `PROBE` and cached (a cache that cannot be read or written is measured past, not fatal)."""
+    key = _key(nvme_path, device)
+    found = _cached(Bandwidths, key)
+    if found is None:
+        found = PROBE(nvme_path, device)
+        _store(key, found)
+    return found
+
+
+def measure_all_gather(comm, per_rank: tuple[int, int] = GATHER_PROBE_BYTES,
+                       repeats: int = 3) -> AllGatherRate:
+    """The probe of [Note: the all-gather probe]: a collective, every rank calls it."""
+    times = []
+    per_rank = tuple(min(b, GATHER_PROBE_MOST // comm.world_size) for b in per_rank)
+    for nbytes in per_rank:
+        n = nbytes // 4
+        full = torch.zeros(comm.world_size * n, dtype=torch.float32, device=comm.device)
+        full.view(comm.world_size, n)[comm.rank].fill_(comm.rank + 1)
+
+        def gather() -> None:
+            comm.all_gather(full, "bandwidth probe: all-gather")
+            if full.is_cuda:  # NCCL's wait orders the stream, not the host
+                torch.cuda.synchronize(full.device)
+
+        gather()  # warm-up: connections and buffers
+        best = float("inf")
+        for _ in range(repeats):
+            comm.barrier("bandwidth probe: start together")
+            t0 = time.perf_counter()
+            gather()
+            best = min(best, time.perf_counter() - t0)
+        times.append(comm.max_flag(best, "bandwidth probe: the slowest rank's time"))
+        del full
+    alpha, beta = fit_latency_bandwidth(tuple(comm.world_size * b for b in per_rank), tuple(times))
+    return AllGatherRate(alpha, beta, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "measured")
+
+
+ALL_GATHER_PROBE: Callable[..., AllGatherRate] = measure_all_gather
+
+
+def all_gather_rate(comm) -> AllGatherRate | None:
+    """This process group's all-gather (alpha, beta), the same on every rank: rank 0's cached
+    figures, else `ALL_GATHER_PROBE` run by every rank and cached by rank 0; None at world 1."""
+    if comm.world_size == 1:
+        return None
+    key = f"{socket.gethostname()}|{comm.device.type}|all-gather|world {comm.world_size}|{comm.backend}"
+    cached = _cached(AllGatherRate, key) if comm.rank == 0 else None
+    t = torch.tensor([cached.alpha, cached.beta] if cached else [0.0, 0.0], dtype=torch.float64,
+                     device=comm.device)
+    comm.broadcast_(t, 0, "bandwidths: rank 0's cached all-gather rate")
+    if t[1] > 0:
+        return cached or AllGatherRate(float(t[0]), float(t[1]), "", "rank 0's cache")
+    found = ALL_GATHER_PROBE(comm)
+    if comm.rank == 0:
+        _store(key, found)
     return found

@@ -38,10 +38,12 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    and the smallest budget per tier that some candidate fits.
 5. the chosen keys are written into the config's offload sections (and engine.config's dict), so
    everything after reads them as if set by hand.
-Not chosen yet: bucket and prefetch sizes, sub_group_size; not measured: all-gather bandwidth,
-activations (rss_margin holds them). Inherited pessimism: the byte rules count every offloaded
-element's gradient as held when stepping in backward (host_budget.speculation_need), so large
-models rarely get step_in_backward from the planner.
+6. beside the placement, the size keys left out (reduce_bucket_size, stage3_prefetch_bucket_size,
+   sub_group_size) from the all-gather's measured latency and bandwidth, the units and the
+   budget: engine/size_plan.py, [Note: choosing the sizes]; in `Plan.sizes` and the log.
+Not measured: activations (rss_margin holds them). Inherited pessimism: the byte rules count
+every offloaded element's gradient as held when stepping in backward
+(host_budget.speculation_need), so large models rarely get step_in_backward from the planner.
 """
 from __future__ import annotations
 
@@ -70,7 +72,9 @@ TIE = 0.005  # predicted times this close are a tie
 
 
 class PlacementBudgetError(MemoryError):
-    """No placement fits the memory budgets."""
+    """No placement fits the memory budgets; `considered`: the predictions refused."""
+
+    considered: list = []
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,7 @@ class Plan:
     why: str
     stage3: bool
     nvme_path: str | None = None
+    sizes: Any = None             # engine/size_plan.py Sizes, chosen beside the placement
 
     def shown_in(self, raw: dict) -> None:
         """Writes the chosen keys into `raw`'s offload sections (engine.config, the DeepSpeed
@@ -182,7 +187,7 @@ class Plan:
         zero = dict(raw.get("zero_optimization") or {})
         for name, keys in self.chosen.choice.keys(self.nvme_path).items():
             zero[name] = {**(zero.get(name) or {}), **keys}
-        raw["zero_optimization"] = zero
+        raw["zero_optimization"] = {**zero, **(self.sizes.chosen if self.sizes else {})}
 
     def explain(self) -> str:
         lines = [f"memory planner: {len(self.considered)} placements considered; bandwidths: "
@@ -203,7 +208,7 @@ class Plan:
                      + "; " + "; ".join(f"{name} {mib(need)} of {mib(limit)} ({src})"
                                         for name, (need, limit, src, _) in c.checks.items()
                                         if limit is not None))
-        return "\n".join(lines)
+        return "\n".join(lines + ([self.sizes.explain()] if self.sizes else []))
 
 
 def _secs(x: float) -> str:
@@ -473,7 +478,9 @@ def choose(inputs: PlanInputs, bw: Bandwidths) -> Plan:
     stage3 = inputs.cfg.zero_optimization.stage == 3
     fitting = [p for p in considered if p.fits]
     if not fitting:
-        raise PlacementBudgetError(_refusal(considered, stage3, free.nvme_path is not None))
+        refused = PlacementBudgetError(_refusal(considered, stage3, free.nvme_path is not None))
+        refused.considered = considered
+        raise refused
     in_ram = [p for p in fitting if not p.tier(TierName.NVME)]
     pool = in_ram or fitting
     full_stream = [p for p in pool if p.choice.opt_buffer_count >= OPT_BUFFER_COUNTS[0]]
@@ -555,24 +562,6 @@ def _model_host_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _transients(inputs: PlanInputs, model: torch.nn.Module) -> int:
-    """Device bytes every placement has: stage 3's gathered peak (the scheduler's rules over
-    the units in their order, engine/gathered_peak.py) and the reductions' buffers."""
-    from zerokit.engine.byte_plan import reduce_buffer_bytes
-    from zerokit.engine.gathered_peak import gathered_peak_numel
-
-    layouts = _layouts(inputs, PlacementPolicy())
-    total = reduce_buffer_bytes(layouts, inputs.policy, inputs.dtype, inputs.reduce,
-                                inputs.cfg.zero_optimization)
-    if inputs.policy.shard_weights:
-        units = [(name, module, lay.numel, lay.padded_numel)
-                 for (name, module, *_), lay in zip(inputs.groups, layouts)]
-        modules = [module for _, module, *_ in inputs.groups]
-        element = torch.empty(0, dtype=inputs.dtype).element_size()
-        total += element * gathered_peak_numel(units, modules, model, inputs.cfg.zero_optimization)
-    return total
-
-
 def _shared_bandwidths(comm, path: str | None) -> Bandwidths:
     """Rank 0's rates (measured or cached), the same on every rank: every rank plans alike."""
     from zerokit.engine import bandwidths
@@ -586,9 +575,10 @@ def _shared_bandwidths(comm, path: str | None) -> Bandwidths:
 
 
 def plan_at_initialize(inputs: PlanInputs, model: torch.nn.Module, comm) -> Plan:
-    """initialize's call: the process's memory (the largest of the ranks'), the transients, the
-    shared bandwidths, then `choose`; rank 0 logs the explanation."""
-    from zerokit.engine import host_budget
+    """initialize's call: the process's memory (the largest of the ranks'), the shared
+    bandwidths, then the sizes, their transients and `choose` (size_plan.py); rank 0 logs the
+    explanation."""
+    from zerokit.engine import bandwidths, host_budget, size_plan
 
     rss = host_budget.RssWatch.rss()
     inputs.process_bytes = int(comm.max_flag(float(max(0, rss - _model_host_bytes(model))),
@@ -597,8 +587,8 @@ def plan_at_initialize(inputs: PlanInputs, model: torch.nn.Module, comm) -> Plan
         avail, source = host_budget.available_host_bytes()
         inputs.host_available = (avail // host_budget.local_ranks() + rss,
                                  f"{source} available per rank, plus this process's RSS")
-    inputs.transient_bytes = _transients(inputs, model)
-    plan = choose(inputs, _shared_bandwidths(comm, freedom(inputs.cfg).nvme_path))
+    plan = size_plan.plan_with_sizes(inputs, model, bandwidths.all_gather_rate(comm),
+                                     _shared_bandwidths(comm, freedom(inputs.cfg).nvme_path))
     if comm.rank == 0:
         log.info("%s", plan.explain())
     return plan
