@@ -103,3 +103,23 @@ def test_a_world_1_step_takes_every_reduction_and_gradient_piece_from_the_cache(
     assert engine.ledger.cached_bytes() > 0
     engine.empty_partition_cache()
     assert engine.ledger.cached_bytes() == 0
+
+
+def test_a_request_up_to_the_slack_smaller_shares_an_idle_buffer() -> None:
+    """An embedding unit and the blocks (sizes within SLACK) share one buffer; a much smaller
+    request gets its own. Gradient pieces bound for files go through buffers of at most
+    GRAD_CHUNK_BYTES."""
+    from zerokit.parts import nvme
+
+    ledger = Ledger(cpu_is_device=False)
+    big, give_back = ledger.scratch.take("buffers", 100 * 1024, torch.float32)
+    address = big.data_ptr()
+    give_back()
+    near, give_back = ledger.scratch.take("buffers", 90 * 1024, torch.float32)
+    assert near.data_ptr() == address and near.numel() == 90 * 1024
+    assert ledger.bytes(TierName.HOST, "buffers") == 100 * 1024 * 4  # what it holds
+    give_back()
+    far, give_back = ledger.scratch.take("buffers", 50 * 1024, torch.float32)
+    assert far.data_ptr() != address
+    give_back()
+    assert nvme.GRAD_CHUNK_BYTES <= nvme.GRAD_WRITES_IN_FLIGHT_BYTES

@@ -186,8 +186,10 @@ class RssWatch:
         return psutil.Process().memory_info().rss
 
     def counted(self) -> int:
-        return (self.ledger.bytes(TierName.HOST)
-                + (self.ledger.bytes(TierName.DEVICE) if self.device_is_host else 0))
+        """What the ledger holds in host memory: the bytes of every kind and the idle scratch
+        buffers kept for the next step (tiers/scratch.py)."""
+        tiers = (TierName.HOST, TierName.DEVICE) if self.device_is_host else (TierName.HOST,)
+        return sum(self.ledger.bytes(t) + self.ledger.cached_bytes(t) for t in tiers)
 
     def sample(self) -> int:
         """Returns the drift (bytes of RSS the ledger does not explain)."""

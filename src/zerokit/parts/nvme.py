@@ -47,8 +47,10 @@ def _nothing() -> None:
     pass
 
 
-# Gradient bytes copied out of the reduction's buckets whose writes may be in flight at once.
+# Gradient bytes copied out of the reduction's buckets whose writes may be in flight at once,
+# in scratch buffers of GRAD_CHUNK_BYTES each.
 GRAD_WRITES_IN_FLIGHT_BYTES = 64 << 20
+GRAD_CHUNK_BYTES = 32 << 20
 
 
 class FileGradient:
@@ -82,19 +84,32 @@ class FileGradient:
             for gap_lo, gap_hi in uncovered(lo, hi, overlapped):  # never written since clear: zero
                 buf[gap_lo - lo:gap_hi - lo] = 0.0
             buf.add_(piece.to("cpu"))  # earlier + piece, rounded once to the file's dtype
-            give_back = _nothing
             for a, b in overlapped:  # what lies outside this piece stays written
                 del self._written[(a, b)]
                 for rest in ((a, lo), (hi, b)):
                     if rest[0] < rest[1]:
                         self._written[rest] = 0.0  # its share of the sum is unknown now
                         self._exact = False
-        else:  # the same sizes every step: a scratch buffer (see [Note: scratch buffers])
-            buf, give_back = self.nvme.ledger.scratch.take("buffers", hi - lo, self.range.dtype,
+            self._written[(lo, hi)] = host_kernels.grad_sq_norm(buf)[0]  # the host part's kernel
+            self._write(lo, buf, _nothing)
+            return
+        # Through scratch buffers of at most GRAD_CHUNK_BYTES (see [Note: scratch buffers]): the
+        # cache then holds a few buffers of that size, not one per size of piece.
+        chunk = max(1, GRAD_CHUNK_BYTES // torch.empty(0, dtype=self.range.dtype).element_size())
+        sq = 0.0
+        for a in range(lo, hi, chunk):
+            b = min(hi, a + chunk)
+            buf, give_back = self.nvme.ledger.scratch.take("buffers", b - a, self.range.dtype,
                                                            TierName.HOST)
-            buf.copy_(piece)
-        self._written[(lo, hi)] = host_kernels.grad_sq_norm(buf)[0]  # the host part's kernel
-        self._writes.append((self.nvme.write(self.range.narrow(lo, hi - lo), buf), buf, give_back))
+            buf.copy_(piece[a - lo:b - lo])
+            sq += host_kernels.grad_sq_norm(buf)[0]
+            self._write(a, buf, give_back)
+        self._written[(lo, hi)] = sq
+
+    def _write(self, lo: int, buf: torch.Tensor, give_back: Callable[[], None]) -> None:
+        """File elements [lo, lo + len(buf)) <- buf, asynchronously; at most
+        GRAD_WRITES_IN_FLIGHT_BYTES stay in flight (buf is given back once written)."""
+        self._writes.append((self.nvme.write(self.range.narrow(lo, buf.numel()), buf), buf, give_back))
         while sum(b.numel() * b.element_size() for _, b, _ in self._writes) > GRAD_WRITES_IN_FLIGHT_BYTES:
             handle, _, give_back = self._writes.pop(0)
             try:
