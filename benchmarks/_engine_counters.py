@@ -29,3 +29,25 @@ def redo(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
     return {k: round(after[k] - before[k], 3) for k in after}
+
+
+def ledger_ram_peak(engine) -> dict | None:
+    """The most RAM the engine's ledger counted at once in the last step (host and, on a CPU
+    device, device tiers together, idle scratch buffers left out), with the phase and the
+    counts per kind at that moment: set beside the measured RSS peaks it shows what the byte
+    rules miss. None for an engine without a ledger (DeepSpeed)."""
+    ledger = getattr(engine, "ledger", None)
+    if ledger is None:
+        return None
+    best = None
+    for _, phase, table in ledger.last_step_timeline().totals():
+        ram = {f"{tier}:{kind}": v for tier, kinds in table.items() if tier != "nvme"
+               for kind, v in kinds.items() if v}
+        total = sum(ram.values())
+        if best is None or total > best[0]:
+            best = (total, phase, ram)
+    if best is None:
+        return None
+    mib = 1 << 20
+    return {"mib": round(best[0] / mib), "phase": best[1],
+            "kinds_mib": {k: round(v / mib) for k, v in sorted(best[2].items())}}

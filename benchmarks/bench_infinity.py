@@ -62,8 +62,10 @@ peak RSS (the kernel's high-water mark, VmHWM, reset per phase: setup, forward, 
 step(); the run's peak is the largest, and the table's note gives setup's and the steps' apart),
 bytes read and written per step (/proc/self/io read_bytes/write_bytes: what reached the block
 device, not the page cache), bytes on disk under the swap folder (du) and the
-disk's own sequential bandwidth, measured in the same run with `dd` and O_DIRECT. Prints a table
-and writes benchmarks/results/bench_infinity-<time>.json (and -latest.json).
+disk's own sequential bandwidth, measured in the same run with `dd` and O_DIRECT. A zerokit row's
+step lines (in its log) also give the most RAM its ledger counted at once in the step, with the
+phase and the bytes per tier and kind then (the library's own figure, beside the measured RSS
+peaks: the difference is what no byte rule counts). Prints a table and writes benchmarks/results/bench_infinity-<time>.json (and -latest.json).
 """
 from __future__ import annotations
 
@@ -80,7 +82,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
-from _engine_counters import disk_idle as _disk_idle, redo as _redo, speculation as _speculation  # noqa: E402
+from _engine_counters import (disk_idle as _disk_idle, ledger_ram_peak as _ledger_ram_peak,  # noqa: E402
+                              redo as _redo, speculation as _speculation)
 
 GiB = 1 << 30
 MODELS = {  # name -> (n_layer, n_embd, n_head)
@@ -446,7 +449,8 @@ def run_worker(args) -> int:
                   f"{took[2]:.2f}), read {(r1 - r0) / GiB:.2f} GiB, wrote {(w1 - w0) / GiB:.2f} GiB, "
                   f"RSS peaks MiB (forward, backward, step(), after) {[round(x or 0) for x in peaks[-1]]}"
                   + (f", disk idle {idle}, by phase {[round(x, 2) for x in by_phase]}" if idle else "")
-                  + (f", speculation {redo}" if redo else ""),
+                  + (f", speculation {redo}" if redo else "")
+                  + (f", ledger RAM peak {counted}" if (counted := _ledger_ram_peak(engine)) else ""),
                   flush=True)
         rec.update(step_s=steps, phases_s=phases, read_bytes=reads, write_bytes=writes, losses=losses,
                    rss_peaks_mb=peaks, disk_idle=idles, speculation=redos)  # per step

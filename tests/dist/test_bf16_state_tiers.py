@@ -373,7 +373,8 @@ def _files(rank, world, cfg):
                 sizes[name] = os.stat(os.path.join(root, name)).st_size
     from zerokit.config.plan import explain
 
-    sets = engine.ledger.bytes(tier="host", kind="buffers")
+    # the peak: the gradient pieces' buffers on their way to the files are taken in backward
+    sets = engine.ledger.bytes(tier="host", kind="buffers", peak=True)
     ledger_nvme = engine.ledger.bytes(tier="nvme")
     plan = explain(engine)
     engine.destroy()

@@ -26,8 +26,10 @@ from zerokit.units.wrap import group_parameters, select_modules
 HOST, DEVICE, NVME = TierName.HOST, TierName.DEVICE, TierName.NVME
 # host copy 10 GB/s, disk read 2 GB/s, write 1 GB/s, host Adam 400 M/s, device Adam 100 M/s
 BW = Bandwidths(10e9, 2e9, 1e9, 400e6, 100e6, "", "injected")
-# A GPT with more state than padding: 4 blocks of 64 wide
-MODEL = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=64, bias=False)
+# A GPT with more state than padding, and than the NVMe stream's buffers: 12 blocks of 64 wide
+MODEL = GPTConfig(vocab_size=256, block_size=16, n_layer=12, n_head=4, n_embd=64, bias=False)
+# 4 blocks: the configured sub-group's buffer sets (a whole part each) cost more than its states
+SMALL = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=64, bias=False)
 
 
 def _cfg(stage: int = 3, zero: dict | None = None, nvme: str | None = "/swap", **extra) -> object:
@@ -141,8 +143,8 @@ def test_the_stream_keeps_its_full_read_ahead_unless_only_fewer_buffers_fit():
         return choose(_inputs(cfg, budget, process=50 << 20), BW)
 
     floor = min(_host_need(planner.predict(_inputs(cfg, 1 << 30, process=50 << 20),
-                                           planner.Choice("nvme", 0, pb, "nvme", 1.0, 0, ob, False), BW))
-                for pb in (5, 2) for ob in (4, 3))
+                                           planner.Choice("nvme", 0, pb, "nvme", 1.0, 0, ob, sib), BW))
+                for pb in (5, 2) for ob in (4, 3) for sib in (True, False))
     mid = plan(floor + (1 << 20))
     c = mid.chosen
     assert c.choice.optimizer == "nvme" and c.choice.opt_buffer_count == 4, mid.explain()
@@ -298,3 +300,44 @@ def test_initialize_fills_auto_devices_from_the_plan(tmp_path, monkeypatch):
         assert probes == [str(tmp_path)]
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("model_cfg,window_bound", [
+    (MODEL, False),
+    (GPTConfig(vocab_size=4096, block_size=16, n_layer=4, n_head=4, n_embd=1024, bias=False), True)])
+def test_the_plan_counts_the_gradient_writes_only_where_a_part_has_a_gradient_file(model_cfg,
+                                                                                   window_bound):
+    """The gradient pieces on their way to NVMe files hold host buffers (the tier's write window
+    and the chunk being filled, or every gradient byte where fewer): counted in the host need
+    where some nvme part has a gradient file, and nowhere else (stepped in backward the
+    gradient is held in memory, counted as grads; a host part has none)."""
+    from zerokit.engine import byte_plan
+    from zerokit.engine.planner import _layouts, _placement, _resolved
+    from zerokit.parts.nvme import GRAD_CHUNK_BYTES
+    from zerokit.tiers.nvme import WRITES_IN_FLIGHT_BYTES
+
+    cfg = _cfg()
+    inputs = _inputs(cfg, 1 << 30, model=tiny_gpt(cfg=model_cfg))
+
+    def figures(choice):
+        c = _resolved(cfg, choice, "/swap")
+        placement = _placement(inputs, c)
+        layouts = _layouts(inputs, placement)
+        return (byte_plan.gradient_write_bytes(layouts),
+                byte_plan.planned_host_need(c, placement, layouts, "AdamW").buffers, layouts)
+
+    files, buffers, layouts = figures(planner.Choice("nvme", 0, 5, "nvme", 1.0, 0, 4, False))
+    every = sum(-(-lay.record("nvme_grad0").nbytes // 4096) * 4096 for lay in layouts)
+    assert files == min(WRITES_IN_FLIGHT_BYTES + GRAD_CHUNK_BYTES, every) > 0
+    assert (files < every) == window_bound
+    for choice in (planner.Choice("nvme", 0, 5, "nvme", 1.0, 0, 4, True),  # held, no file
+                   planner.Choice("nvme", 0, 5, "cpu", 1.0, 0, 4, False)):  # a host part
+        assert figures(choice)[0] == 0
+    # and the host need holds it: the same layouts without it need exactly that much less
+    original = byte_plan.gradient_write_bytes
+    try:
+        byte_plan.gradient_write_bytes = lambda layouts: 0
+        _, without, _ = figures(planner.Choice("nvme", 0, 5, "nvme", 1.0, 0, 4, False))
+    finally:
+        byte_plan.gradient_write_bytes = original
+    assert buffers - without == files

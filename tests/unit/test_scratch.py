@@ -10,6 +10,7 @@ import torch
 
 from zerokit.tier_names import TierName
 from zerokit.tiers.ledger import BudgetExceededError, Ledger
+from zerokit.tiers.nvme import WRITES_IN_FLIGHT_BYTES
 
 MiB = 1 << 20
 
@@ -77,11 +78,12 @@ def test_a_take_past_the_budget_frees_the_idle_buffers_first_then_fails() -> Non
     assert ledger.bytes(TierName.HOST) == 0 and ledger.cached_bytes() == 8192
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_world_1_step_takes_every_reduction_and_gradient_piece_from_the_cache(tmp_path, stage) -> None:
+@pytest.mark.parametrize("stage,budget", [(2, None), (3, None), (3, "12GiB")])
+def test_a_world_1_step_takes_every_reduction_and_gradient_piece_from_the_cache(tmp_path, stage,
+                                                                                 budget) -> None:
     """The reduction buckets (units/unit.py) and the gradient pieces written to NVMe files
-    (parts/nvme.py) are scratch buffers: after the first step, every take is a reuse; the idle
-    ones go with empty_partition_cache."""
+    (parts/nvme.py) are scratch buffers: after the first step, every take is a reuse, under a
+    memory budget too (the plan counts them); the idle ones go with empty_partition_cache."""
     import zerokit
     from reference import tiny_gpt
 
@@ -89,7 +91,10 @@ def test_a_world_1_step_takes_every_reduction_and_gradient_piece_from_the_cache(
     engine, *_ = zerokit.initialize(model=tiny_gpt(), config={
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage, "offload_optimizer": {
-            "device": "nvme", "nvme_path": str(tmp_path), "step_in_backward": False}}})
+            "device": "nvme", "nvme_path": str(tmp_path), "step_in_backward": False,
+            "max_in_cpu": 0}},  # set: every part streams from NVMe under the budget too
+        **({"memory": {"host": budget}} if budget else {})})
+    assert engine.ledger.scratch.idle_limit > 0
     stats, counts = engine.ledger.scratch.stats, []
     for _ in range(3):
         x = torch.randint(0, 50, (2, 16))
@@ -122,4 +127,4 @@ def test_a_request_up_to_the_slack_smaller_shares_an_idle_buffer() -> None:
     far, give_back = ledger.scratch.take("buffers", 50 * 1024, torch.float32)
     assert far.data_ptr() != address
     give_back()
-    assert nvme.GRAD_CHUNK_BYTES <= nvme.GRAD_WRITES_IN_FLIGHT_BYTES
+    assert nvme.GRAD_CHUNK_BYTES <= WRITES_IN_FLIGHT_BYTES

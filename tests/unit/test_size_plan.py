@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from reference import tiny_gpt
-from test_planner import BW, MODEL, _cfg, _inputs, _host_need
+from test_planner import BW, MODEL, SMALL, _cfg, _inputs, _host_need
 from zerokit.engine import bandwidths, planner, size_plan
 from zerokit.engine.bandwidths import AllGatherRate, fit_latency_bandwidth
 from zerokit.engine.planner import PlacementBudgetError, choose
@@ -219,7 +219,7 @@ def test_the_chosen_sub_group_is_what_the_max_in_cpu_search_counts(monkeypatch):
     monkeypatch.setattr(bandwidths, "DISK_REQUEST_BYTES", 4096)  # a sub-group of 1,024 elements
     aio = {"aio": {"block_size": 4096, "queue_depth": 1, "thread_count": 1}}
     cfg = _cfg(stage=2, **aio)
-    model = tiny_gpt(cfg=MODEL)
+    model = tiny_gpt(cfg=SMALL)
 
     def inputs(config, host, **kw):
         return _inputs(config, host, process=50 << 20, model=model, **kw)

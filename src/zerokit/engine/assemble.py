@@ -24,8 +24,8 @@ from zerokit.engine.engine import Engine
 from zerokit.parts.executors import DeviceExecutor, HostExecutor
 from zerokit.engine import bf16_state, host_budget, nvme_plan, planner
 from zerokit.parts.nvme_executor import NvmeExecutor
-from zerokit.engine.byte_plan import plan_layouts, planned_host_need, reduce_buffer_bytes, stream_settings
-from zerokit.parts.nvme import GRAD_CHUNK_BYTES, GRAD_WRITES_IN_FLIGHT_BYTES
+from zerokit.engine.byte_plan import (gradient_write_bytes, plan_layouts, planned_host_need,
+                                     reduce_buffer_bytes, stream_settings)
 from zerokit.optim.recipe import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.lr_schedules import build_scheduler
@@ -99,11 +99,11 @@ def initialize(model: nn.Module, optimizer: Any = None,
         placement = dataclasses.replace(placement, step_in_backward=False)
     layouts = plan(placement)
     # idle scratch buffers (tiers/scratch.py): no more than the plan counts for the reductions in
-    # flight and the gradient writes; none under a memory budget, whose plans do not count them
-    # yet (a 3B run crossed its host budget with them)
-    ledger.scratch.idle_limit = 0 if budgets else (
+    # flight and the gradient writes, whose bytes every plan (and a budget's) holds for the whole
+    # step
+    ledger.scratch.idle_limit = (
         reduce_buffer_bytes(layouts, policy, dtype, reduce_dtype(cfg), cfg.zero_optimization)
-        + GRAD_WRITES_IN_FLIGHT_BYTES + GRAD_CHUNK_BYTES)
+        + gradient_write_bytes(layouts))
     need = planned_host_need(cfg, placement, layouts, recipe.kind)
     on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind, constructed_nvme_files(model))
     host_budget.check_host_memory(need, placement, available=(avail, source))

@@ -10,7 +10,8 @@ planner (engine/planner.py) all read ([Note: the estimator's byte rules] in memo
 - `planned_bytes`: the model states per tier and kind (device and nvme records, the optimizer
   state of each part, the second file slot of a speculative step, and the host need above);
 - `reduce_buffer_bytes`: the gradient buffers the reductions allocate, alive until the end of
-  backward (the same under every placement).
+  backward (the same under every placement);
+- `gradient_write_bytes`: the host buffers of the gradient pieces on their way to NVMe files.
 Pure functions: nothing here allocates.
 """
 from __future__ import annotations
@@ -18,11 +19,14 @@ from __future__ import annotations
 import torch
 
 from zerokit.engine import host_budget
+from zerokit.io.buffers import ALIGN
+from zerokit.parts.nvme import GRAD_CHUNK_BYTES
 from zerokit.parts.nvme_executor import StreamSettings, buffer_set_bytes
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.policy.layout import UnitLayout, plan_layout
 from zerokit.tier_names import TierName
 from zerokit.tiers.ledger import KINDS, TIERS
+from zerokit.tiers.nvme import WRITES_IN_FLIGHT_BYTES
 
 # Host bytes by ledger kind: engine/host_budget.py HostNeed's fields.
 HOST_FIELDS = {"weights": "weights", "master": "master", "grads": "grads",
@@ -70,6 +74,7 @@ def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
     if largest:
         need.buffers += buffer_set_bytes(stream_settings(cfg, placement), kind, largest,
                                          placement.master_dtype, placement.state_dtype)
+    need.buffers += gradient_write_bytes(layouts)
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
     if shards:  # the shards read ahead (buffer_count) and the one a gather reads now: at most
         # the largest buffer_count + 1 of them (a larger shard than buffer_size is not read ahead)
@@ -77,6 +82,20 @@ def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
         sizes = sorted((min(r.numel, placement.param_buffer_size) for r in shards), reverse=True)
         need.buffers += sum(sizes[:placement.param_buffer_count + 1]) * element
     return need
+
+
+def gradient_write_bytes(layouts: list[UnitLayout]) -> int:
+    """The host buffers of the gradient pieces on their way to NVMe files (parts/nvme.py
+    FileGradient): the tier's write window and the chunk being filled, or all of a step's
+    gradient bytes where they are fewer (each piece at least one buffer, rounded up to ALIGN);
+    none where no part has a gradient file (no nvme part, or stepped in backward: held in
+    memory)."""
+    files = [lay.record("nvme_grad0") for lay in layouts if lay.has("nvme_grad0")]
+    if not files:
+        return 0
+    element = torch.empty(0, dtype=files[0].dtype).element_size()
+    every = sum(-(-r.numel * element // ALIGN) * ALIGN for r in files)
+    return min(WRITES_IN_FLIGHT_BYTES + GRAD_CHUNK_BYTES, every)
 
 
 def planned_bytes(cfg, placement: PlacementPolicy, layouts: list[UnitLayout],
@@ -120,15 +139,16 @@ def reduce_buffer_bytes(layouts: list[UnitLayout], policy: PartitionPolicy, comp
     sum) is reduced in place unless its dtype is not the reduce dtype. Each unit launches its
     reduction as its gradients complete; the engine waits for the oldest while more than
     `max_pending_reduce_numel` elements are in flight, so at most that many plus the newest
-    unit's are alive at once (all of them, where they add up to less)."""
+    unit's are alive at once (all of them, where they add up to less). Each at the bytes a
+    scratch buffer of its size holds (tiers/scratch.py: rounded up to ALIGN)."""
+    element = torch.empty(0, dtype=reduce).element_size()
     sizes = []
     for lay in layouts:
         if not lay.parts:  # frozen: no gradient
             continue
         local = torch.float32 if lay.has("grad_acc") else compute
         if policy.shard_gradients or local != reduce:
-            sizes.append(lay.padded_numel)
+            sizes.append(-(-lay.padded_numel * element // ALIGN) * ALIGN)
     if not sizes:
         return 0
-    alive = min(sum(sizes), max_pending_reduce_numel(zero_cfg) + max(sizes))
-    return alive * torch.empty(0, dtype=reduce).element_size()
+    return min(sum(sizes), max_pending_reduce_numel(zero_cfg) * element + max(sizes))

@@ -23,7 +23,7 @@ from zerokit.parts.kernel_part import STATE_NAMES, PartSpan, WeightsOut
 from zerokit.parts.ranges import uncovered
 from zerokit.policy.layout import OptimizerPart
 from zerokit.tier_names import TierName
-from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
+from zerokit.tiers.nvme import FileRange, NvmeTier
 from zerokit.tiers.nvme_shard import FileHome
 
 
@@ -47,9 +47,8 @@ def _nothing() -> None:
     pass
 
 
-# Gradient bytes copied out of the reduction's buckets whose writes may be in flight at once,
-# in scratch buffers of GRAD_CHUNK_BYTES each.
-GRAD_WRITES_IN_FLIGHT_BYTES = 64 << 20
+# Gradient pieces are copied out of the reduction's buckets into scratch buffers of at most
+# this size, written in the tier's write window (tiers/nvme.py WRITES_IN_FLIGHT_BYTES).
 GRAD_CHUNK_BYTES = 32 << 20
 
 
@@ -59,19 +58,20 @@ class FileGradient:
 
     [Note: gradients on NVMe]
     A piece is copied out of the reduction's bucket into a host buffer and written
-    asynchronously (at most GRAD_WRITES_IN_FLIGHT_BYTES in flight). The file is not zeroed
-    after a step: `clear()` forgets what was written, a piece landing on elements already written
-    since (gradient accumulation) is read, the piece added to it (in the file's dtype, as the host
-    part adds into its gradient buffer: bf16 sums round alike) and written back, and elements no piece
-    reached are written as zeros before the step reads them (`zero_unwritten`). The sum of squares
-    is taken from each piece as it is written (float64), so the norm costs no second read; only
-    after an accumulation that re-cut earlier pieces is the file read to recompute it.
+    asynchronously (at most WRITES_IN_FLIGHT_BYTES in flight over every file of the tier: its
+    WriteWindow). The file is not zeroed after a step: `clear()` forgets what was written, a
+    piece landing on elements already written since (gradient accumulation) is read, the piece
+    added to it (in the file's dtype, as the host part adds into its gradient buffer: bf16 sums
+    round alike) and written back, and elements no piece reached are written as zeros before the
+    step reads them (`zero_unwritten`). The sum of squares is taken from each piece as it is
+    written (float64), so the norm costs no second read; only after an accumulation that re-cut
+    earlier pieces is the file read to recompute it.
     """
 
     def __init__(self, nvme: NvmeTier, rng: FileRange):
         self.nvme, self.range = nvme, rng
-        # in flight, with their buffers and the functions giving those back (scratch buffers)
-        self._writes: list[tuple[NvmeHandle, torch.Tensor, Callable[[], None]]] = []
+        # this file's writes in flight (the tier's window bounds all files' together)
+        self._writes: list = []
         self._written: dict[tuple[int, int], float] = {}  # [lo, hi) since clear -> sum of squares
         self._exact = True  # the sums above cover exactly what the file holds
 
@@ -107,24 +107,17 @@ class FileGradient:
         self._written[(lo, hi)] = sq
 
     def _write(self, lo: int, buf: torch.Tensor, give_back: Callable[[], None]) -> None:
-        """File elements [lo, lo + len(buf)) <- buf, asynchronously; at most
-        GRAD_WRITES_IN_FLIGHT_BYTES stay in flight (buf is given back once written)."""
-        self._writes.append((self.nvme.write(self.range.narrow(lo, buf.numel()), buf), buf, give_back))
-        while sum(b.numel() * b.element_size() for _, b, _ in self._writes) > GRAD_WRITES_IN_FLIGHT_BYTES:
-            handle, _, give_back = self._writes.pop(0)
-            try:
-                handle.wait()
-            finally:
-                give_back()  # it has ended, failed or not
+        """File elements [lo, lo + len(buf)) <- buf, asynchronously, in the tier's write window
+        (tiers/nvme.py WriteWindow: at most WRITES_IN_FLIGHT_BYTES in flight over every file;
+        buf is given back once written)."""
+        handle = self.nvme.write(self.range.narrow(lo, buf.numel()), buf)
+        self._writes.append(self.nvme.write_window.add(handle, buf.numel() * buf.element_size(),
+                                                       give_back))
 
     def settle(self) -> None:
         """Every write in flight has ended (the first failure raised after all of them)."""
         writes, self._writes = self._writes, []
-        try:
-            wait_all(handle for handle, _, _ in writes)
-        finally:  # every write has ended, failed or not (wait_all waits for all of them)
-            for _, _, give_back in writes:
-                give_back()
+        wait_all(writes)  # each gives its buffer back, failed or not
 
     def sq_norm(self) -> float:
         self.settle()

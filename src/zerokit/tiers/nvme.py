@@ -154,6 +154,69 @@ class NvmeHandle:
         self._io.add_done_callback(lambda _io, err: fn(self, err))
 
 
+# Bytes of writes from given-back buffers (every unit's gradient pieces) in flight at once over
+# a tier: enough to keep the disk busy, and the host memory they hold one constant.
+WRITES_IN_FLIGHT_BYTES = 64 << 20
+
+
+class _WindowWrite:
+    """One write of a `WriteWindow`: ended once, then its buffer given back once."""
+
+    def __init__(self, window: "WriteWindow", handle: NvmeHandle, nbytes: int,
+                 give_back: Callable[[], None]):
+        self.window, self.handle, self.nbytes, self._give_back = window, handle, nbytes, give_back
+        self.open = True
+
+    def wait(self) -> None:
+        """Wait for the write (raising its error) and give its buffer back, whether it failed or
+        not; again: only the wait again (idempotent, as a handle's)."""
+        try:
+            self.handle.wait()
+        finally:
+            if self.open:
+                self.open = False
+                self.window.closed(self)
+                self._give_back()
+
+
+class WriteWindow:
+    """Writes whose source buffers are given back once written, bounded over all of a tier's
+    writers: past `limit` bytes in flight the oldest is waited for first. The host memory such
+    writes hold is then one constant per tier, whatever the number of writers: bounded per
+    writer (each unit's gradient file), a 1B model's backward held 20 units' windows, 1.25 GiB
+    that no plan counted, and crossed its host budget."""
+
+    def __init__(self, limit: int = WRITES_IN_FLIGHT_BYTES):
+        self.limit = limit
+        self._open: list[_WindowWrite] = []  # in submission order
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return self._bytes
+
+    def add(self, handle: NvmeHandle, nbytes: int, give_back: Callable[[], None]) -> _WindowWrite:
+        """Track a submitted write of `nbytes` (give_back runs once it has ended); waits for the
+        oldest writes while more than `limit` bytes are in flight."""
+        write = _WindowWrite(self, handle, nbytes, give_back)
+        with self._lock:
+            self._open.append(write)
+            self._bytes += nbytes
+        while True:
+            with self._lock:
+                if self._bytes <= self.limit or not self._open:
+                    break
+                oldest = self._open[0]
+            oldest.wait()
+        return write
+
+    def closed(self, write: _WindowWrite) -> None:
+        with self._lock:
+            self._open.remove(write)
+            self._bytes -= write.nbytes
+
+
 class NvmeTier:
     """File ranges in a claimed directory under `directory`/zerokit-swap (weight shards under
     `weights_directory`'s where given), counted in the ledger's nvme tier."""
@@ -180,6 +243,7 @@ class NvmeTier:
         self.directories = [c.path for c in self._claims]
         self.stale_files = [f for c in self._claims for f in c.stale_files]
         self.stats = IOStats(self.aio.idle_s)
+        self.write_window = WriteWindow()  # the gradient pieces' writes (parts/nvme.py)
         self._ranges: dict[str, FileRange] = {}
         self._lock = threading.Lock()  # allocate / free from several threads (a swapper's callbacks)
         self._closed = False

@@ -18,12 +18,13 @@ sizes every step, so they are taken from and given back to a cache keyed by thei
   GRAD_CHUNK_BYTES (parts/nvme.py), so that the cache holds a few sizes, not one per piece;
 - at the end of a step (`Ledger.end_step`) the idle buffers no `take` of that step asked for are
   freed, so the cache holds one step's working set and no more; idle bytes stay within
-  `idle_limit`, which initialize sets to what the plan counts for these buffers (the reductions
-  in flight, byte_plan.py `reduce_buffer_bytes`, and the gradient writes in flight), and to 0
-  under a memory budget: the placement planner does not count idle buffers yet, and a 3B run
-  with a host budget of 8.03 GiB peaked at 8.23 GiB with them (7.36 without; 8.04 with the
-  plan's limit); a `take` that would cross the tier's budget frees the idle buffers first, and
-  only then fails.
+  `idle_limit`, which initialize sets to what every plan counts for these buffers through the
+  whole step, under a memory budget too (engine/byte_plan.py `reduce_buffer_bytes`, the
+  reductions in flight, and `gradient_write_bytes`, the tier's write window); a `take` that
+  would cross the tier's budget frees the idle buffers first, and only then fails. (A 3B run
+  under a host budget once crossed it with idle buffers: the gradient writes were bounded per
+  file, so 20 units' windows were in flight, which no plan counted; they share the tier's
+  window now, tiers/nvme.py WriteWindow.)
 Host memory only (CPU tensors): a CUDA device has its allocator's own cache. Whoever gives a
 buffer back must hold no view of it (the next `take` of that size writes into it).
 """
