@@ -58,14 +58,14 @@ class ScratchCache:
         self._idle: dict[tuple[str, int], list[torch.Tensor]] = defaultdict(list)  # (tier, bytes)
         self._asked: set[tuple[str, int]] = set()  # sizes a take asked for since the last end_step
         self._lock = threading.Lock()
+        self._idle_total = 0  # bytes of every idle buffer (what `idle_bytes` reads)
         self.stats = {"taken": 0, "reused": 0}  # read by tests and benchmarks
         # most idle bytes kept (None: no limit); initialize sets what the plan counts for them
         self.idle_limit: int | None = None
 
     @property
     def idle_bytes(self) -> int:
-        with self._lock:
-            return sum(key[1] * len(bufs) for key, bufs in self._idle.items())
+        return self._idle_total
 
     def take(self, kind: str, numel: int, dtype: torch.dtype, tier: str | None = None
              ) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -73,7 +73,7 @@ class ScratchCache:
         transient of `kind` on `tier` (None: where the ledger counts host memory); call the
         returned function to give it back."""
         tier = self._ledger.cpu_tier() if tier is None else TierName(tier)
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         key = (tier, _rounded(nbytes))
         what = lambda: f"a scratch {kind} buffer of {numel:,} elements"  # noqa: E731
         with self._lock:
@@ -84,6 +84,7 @@ class ScratchCache:
             raw = idle.pop() if idle else None
             if raw is not None:  # idle -> taken: the count moves, never grows
                 self.stats["reused"] += 1
+                self._idle_total -= key[1]
                 self._ledger.count_cached(tier, -key[1])
                 self._ledger.count(tier, kind, key[1], what)
         if raw is None:
@@ -103,11 +104,11 @@ class ScratchCache:
             released = True
             with self._lock:
                 self._ledger.count(tier, kind, -key[1])
-                idle = sum(k[1] * len(bufs) for k, bufs in self._idle.items())
-                if self.idle_limit is not None and idle + key[1] > self.idle_limit:
+                if self.idle_limit is not None and self._idle_total + key[1] > self.idle_limit:
                     return  # freed: more idle than the plan counts
                 self._ledger.count_cached(tier, key[1])
                 self._idle[key].append(raw)
+                self._idle_total += key[1]
         return raw[:nbytes].view(dtype), give_back
 
     def _fitting(self, key: tuple[str, int]) -> tuple[str, int]:
@@ -123,7 +124,9 @@ class ScratchCache:
         """Free the idle buffers of sizes this step did not ask for."""
         with self._lock:
             for key in [k for k in self._idle if k not in self._asked]:
-                self._ledger.count_cached(key[0], -key[1] * len(self._idle.pop(key)))
+                freed = key[1] * len(self._idle.pop(key))
+                self._ledger.count_cached(key[0], -freed)
+                self._idle_total -= freed
             self._asked = set()
 
     def drop_idle(self) -> None:
@@ -132,3 +135,4 @@ class ScratchCache:
             for key, bufs in self._idle.items():
                 self._ledger.count_cached(key[0], -key[1] * len(bufs))
             self._idle.clear()
+            self._idle_total = 0
