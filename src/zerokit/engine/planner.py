@@ -585,7 +585,8 @@ def plan_at_initialize(inputs: PlanInputs, model: torch.nn.Module, comm) -> Plan
     # Untrimmed on purpose: at 1B the steps' RSS less the ledger was 1.13-1.23 GiB (activations,
     # autograd's gradients before their bucket, the heap's slack: no byte rule counts them),
     # this figure 1.32-1.38 GiB; after malloc_trim it was 0.26 GiB and every budgeted 1B row
-    # crossed its budget by 0.15-0.25 GiB (docs/offload.md, "Against hand tuning"). Counting those bytes is the fix.
+    # crossed its budget by 0.15-0.25 GiB (docs/offload.md, "Against hand tuning"). Counting
+    # those bytes is the fix.
     rss = host_budget.RssWatch.rss()
     inputs.process_bytes = int(comm.max_flag(float(max(0, rss - _model_host_bytes(model))),
                                              "placement planner: process memory"))
