@@ -246,6 +246,37 @@ def _io_counters() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
+# A step is marked stalled when the disk, while busy, moved less than this share of dd's slower
+# direction: this VM's disk at times serves ~1 MiB requests at 4-390 MB/s for tens of seconds
+# against its usual 0.8-1.7 GB/s, whatever the row (docs/nvme.md, "The disk stalls at times").
+STALL_SHARE = 0.4
+
+
+def block_stat_path(folder: Path) -> Path | None:
+    """The kernel's counters (/sys/dev/block/MAJ:MIN/stat) of the block device holding `folder`;
+    None on a filesystem with no block device (tmpfs, overlay)."""
+    dev = os.stat(folder).st_dev
+    path = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    return path if os.major(dev) and path.exists() else None
+
+
+def block_counters(path: Path | None) -> tuple[int, float] | None:
+    """(bytes read + written, seconds busy) since boot: sectors are 512 bytes whatever the
+    device's, io_ticks counts milliseconds with at least one request in flight."""
+    if path is None:
+        return None
+    f = [int(x) for x in path.read_text().split()]
+    return (f[2] + f[6]) * 512, f[9] / 1e3
+
+
+def disk_pace(before, after) -> dict | None:
+    """The device's bytes and busy seconds over a step, and its pace while busy (GB/s)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    moved, busy = after[0] - before[0], after[1] - before[1]
+    return {"gb": moved / 1e9, "busy_s": busy, "gb_s": moved / busy / 1e9}
+
+
 def ds_config(swap: str, model: str, clipping: float = 1.0, accumulation: int = 1) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accumulation,
@@ -413,8 +444,10 @@ def run_worker(args) -> int:
         toks = [[torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g) for _ in range(k)]
                 for _ in range(args.warmup + args.steps)]
         steps, phases, reads, writes, losses, peaks, idles, redos = [], [], [], [], [], [], [], []
+        paces, block = [], block_stat_path(Path(args.swap))
         for i, micro in enumerate(toks):
             r0, w0 = _io_counters()
+            dev0 = block_counters(block)
             spec0 = _speculation(engine)
             t0 = C.now()
             took = [0.0, 0.0, 0.0]  # forward, backward, step() over the step's micro-steps
@@ -436,6 +469,7 @@ def run_worker(args) -> int:
             dt = C.now() - t0
             peaks.append(peak + [C.current_rss_mb()])
             r1, w1 = _io_counters()
+            pace = disk_pace(dev0, block_counters(block))
             idle = _disk_idle(engine)
             redo = _redo(spec0, _speculation(engine))
             if i >= args.warmup:
@@ -445,15 +479,18 @@ def run_worker(args) -> int:
                 writes.append(w1 - w0)
                 idles.append(idle)
                 redos.append(redo)
+                paces.append(pace)
             print(f"step {i}: {dt:.2f} s (forward {took[0]:.2f}, backward {took[1]:.2f}, step() "
                   f"{took[2]:.2f}), read {(r1 - r0) / GiB:.2f} GiB, wrote {(w1 - w0) / GiB:.2f} GiB, "
                   f"RSS peaks MiB (forward, backward, step(), after) {[round(x or 0) for x in peaks[-1]]}"
                   + (f", disk idle {idle}, by phase {[round(x, 2) for x in by_phase]}" if idle else "")
+                  + (f", device {pace['gb']:.2f} GB in {pace['busy_s']:.1f} s busy ({pace['gb_s']:.2f} GB/s)"
+                     if pace else "")
                   + (f", speculation {redo}" if redo else "")
                   + (f", ledger RAM peak {counted}" if (counted := _ledger_ram_peak(engine)) else ""),
                   flush=True)
         rec.update(step_s=steps, phases_s=phases, read_bytes=reads, write_bytes=writes, losses=losses,
-                   rss_peaks_mb=peaks, disk_idle=idles, speculation=redos)  # per step
+                   rss_peaks_mb=peaks, disk_idle=idles, speculation=redos, disk_pace=paces)  # per step
         report = getattr(engine, "memory_report", None)
         if family == "zerokit" and report is not None:
             rec["memory_report"] = str(report())
@@ -489,7 +526,21 @@ def du_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> dict:
+def stalls(step_s: list[float], paces: list[dict | None], dd: dict) -> dict | None:
+    """Which timed steps the disk stalled in (its pace while busy under STALL_SHARE of dd's
+    slower direction, busy at least a fifth of the step), and the median of the others: the row's
+    figure when the disk keeps its pace. None where the pace or dd is unknown."""
+    floor = min((v for v in (dd.get("write_gb_s"), dd.get("read_gb_s")) if v), default=None)
+    if not floor or not paces or any(p is None for p in paces):
+        return None
+    stalled = [i for i, (t, p) in enumerate(zip(step_s, paces))
+               if p["gb_s"] < STALL_SHARE * floor and p["busy_s"] > 0.2 * t]
+    rest = [t for i, t in enumerate(step_s) if i not in stalled]
+    return {"steps": stalled, "floor_gb_s": STALL_SHARE * floor,
+            "median_unstalled_s": C.summarize(rest)["median"] if rest else None}
+
+
+def run_row(name: str, model: str, args, parent: Path, budget: float | None, dd: dict) -> dict:
     family, _, label = ROWS[name]
     clipping = ROW_CLIPPING.get(_base(name), args.clipping)
     res = {"row": name, "model": model, "label": label, "budget_gib": budget, "clipping": clipping,
@@ -543,7 +594,8 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None) -> 
                memory_report=rec.get("memory_report"), disk_idle=_median_of(rec.get("disk_idle")),
                speculation=_median_of(rec.get("speculation")),
                phases_s=rec.get("phases_s"), setup_peak_mb=rec.get("setup_peak_mb"),
-               rss_peaks_mb=rec.get("rss_peaks_mb"))
+               rss_peaks_mb=rec.get("rss_peaks_mb"), disk_pace=rec.get("disk_pace"),
+               stalls=stalls(rec["step_s"], rec.get("disk_pace"), dd))
     res["io_gb_s"] = (res["read_bytes_per_step"] + res["write_bytes_per_step"]) / step["median"] / 1e9
     return res
 
@@ -579,6 +631,11 @@ def _note(r: dict) -> str:
     peaks = [max(x or 0 for x in p[:3]) for p in (r.get("rss_peaks_mb") or [])]
     if r.get("setup_peak_mb") and peaks:
         parts.append(f"peak setup {r['setup_peak_mb'] / 1024:.2f}, steps {max(peaks) / 1024:.2f} GiB")
+    st = r.get("stalls")
+    if st and st["steps"]:
+        rest = st["median_unstalled_s"]
+        parts.append(f"disk stalled in {len(st['steps'])} of {len(r['disk_pace'])} steps (< "
+                     f"{st['floor_gb_s']:.2f} GB/s busy)" + (f", the others {rest:.2f} s" if rest else ""))
     return "; ".join(parts)
 
 
@@ -684,7 +741,7 @@ def main(argv=None) -> int:
                     results.append({"row": name, "model": model, "status": "skipped",
                                     "reason": "no DeepSpeed RSS to budget by (run ds-inf first or --ds-rss-gib)"})
                     continue
-            r = run_row(name, model, args, parent, budget)
+            r = run_row(name, model, args, parent, budget, disk)
             if name == "ds-inf" and r["status"] == "ok":
                 ds_rss = r["peak_rss_mb"] / 1024
             results.append(r)

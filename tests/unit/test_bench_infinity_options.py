@@ -137,3 +137,30 @@ def test_the_planner_table_compares_with_the_fastest_hand_row_that_fits():
     assert "hand-nvme" in four and "1.03x" in four and four.rstrip().endswith("yes")
     assert " NO " in four  # its own RSS (4.5) is over its budget (4.0)
     assert B.planner_report([_ok("zk-inf", "125m", 1.0, 1.0)]) is None
+
+
+def test_a_step_is_marked_stalled_when_the_busy_disk_moves_under_its_share_of_dd(tmp_path):
+    dd = {"write_gb_s": 1.0, "read_gb_s": 1.2}  # the floor: 0.4 x 1.0 GB/s
+    steps = [20.0, 40.0, 21.0, 30.0]
+    paces = [{"gb": 20.0, "busy_s": 16.0, "gb_s": 1.25},
+             {"gb": 10.0, "busy_s": 36.0, "gb_s": 0.28},  # busy and slow: stalled
+             {"gb": 18.0, "busy_s": 15.0, "gb_s": 1.20},
+             {"gb": 0.1, "busy_s": 1.0, "gb_s": 0.10}]  # slow but barely busy: not the disk's fault
+    st = B.stalls(steps, paces, dd)
+    assert st["steps"] == [1] and st["floor_gb_s"] == pytest.approx(0.4)
+    assert st["median_unstalled_s"] == pytest.approx(21.0)
+    row = {"budget_gib": None, "row": "zk-inf", "clipping": 1.0, "accumulation": 1, "stalls": st,
+           "disk_pace": paces}
+    assert "disk stalled in 1 of 4 steps (< 0.40 GB/s busy), the others 21.00 s" in B._note(row)
+    assert B.stalls(steps, paces[:3] + [None], dd) is None  # a step without counters: unknown
+    assert B.stalls(steps, paces, {"write_gb_s": None, "read_gb_s": None}) is None
+    # the counters of the disk holding a folder: bytes and busy seconds only grow
+    path = B.block_stat_path(tmp_path)
+    if path is not None:
+        a = B.block_counters(path)
+        (tmp_path / "f").write_bytes(b"x" * 4096)
+        os.sync()
+        b = B.block_counters(path)
+        assert b[0] >= a[0] and b[1] >= a[1]
+    assert B.disk_pace((0, 1.0), (3e9, 3.0)) == {"gb": 3.0, "busy_s": 2.0, "gb_s": 1.5}
+    assert B.disk_pace((0, 1.0), (0, 1.0)) is None  # never busy: no pace

@@ -110,6 +110,27 @@ def test_a_world_1_step_takes_every_reduction_and_gradient_piece_from_the_cache(
     assert engine.ledger.cached_bytes() == 0
 
 
+def test_at_world_1_a_reduction_gives_its_bucket_back_before_the_next_unit_takes_one() -> None:
+    """At world 1 a reduction is complete when launched: the engine takes it at once, so one
+    unit's bucket is alive at a time (the byte rule engine/byte_plan.py `reduce_buffer_bytes`
+    counts, and what the planner leaves for the rest), not every unit's up to
+    2 x reduce_bucket_size. Measured as the ledger's peak of reduction buffers in a step."""
+    import zerokit
+    from reference import tiny_gpt
+
+    torch.set_num_threads(1)
+    engine, *_ = zerokit.initialize(model=tiny_gpt(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2}})
+    for _ in range(2):
+        x = torch.randint(0, 50, (2, 16))
+        engine.backward(engine(x, x))
+        engine.step()
+    buckets = [-(-u.padded_numel * 4 // 4096) * 4096 for u in engine.units]
+    assert len(buckets) == 3 and max(buckets) < sum(buckets)
+    assert engine.ledger.bytes(engine.ledger.cpu_tier(), "buffers", peak=True) == max(buckets)
+
+
 def test_a_request_up_to_the_slack_smaller_shares_an_idle_buffer() -> None:
     """An embedding unit and the blocks (sizes within SLACK) share one buffer; a much smaller
     request gets its own. Gradient pieces bound for files go through buffers of at most

@@ -98,6 +98,7 @@ class Handle:
     finish: Callable[[], None] | None
     describe: Callable[[BaseException], CollectiveError]
     done: bool = False
+    parts: list["Handle"] = field(default_factory=list)  # a joined handle's collectives
 
     @classmethod
     def joined(cls, handles: list["Handle"], after: Callable[[], None]) -> "Handle":
@@ -106,7 +107,13 @@ class Handle:
             for h in handles:
                 h.wait()
             after()
-        return cls(None, finish, handles[0].describe)
+        return cls(None, finish, handles[0].describe, parts=handles)
+
+    def ready(self) -> bool:
+        """wait() would not block: no backend work left (world 1's collectives, a joined handle
+        whose collectives all are). A gloo exchange's headers and data are waited, never polled,
+        so a handle with backend work is not ready until waited."""
+        return self.done or (self.work is None and all(h.ready() for h in self.parts))
 
     def wait(self) -> None:
         if self.done:

@@ -102,7 +102,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
     # flight and the gradient writes, whose bytes every plan (and a budget's) holds for the whole
     # step
     ledger.scratch.idle_limit = (
-        reduce_buffer_bytes(layouts, policy, dtype, reduce_dtype(cfg), cfg.zero_optimization)
+        reduce_buffer_bytes(layouts, policy, dtype, reduce_dtype(cfg), cfg.zero_optimization,
+                            comm.world_size)
         + gradient_write_bytes(layouts))
     need = planned_host_need(cfg, placement, layouts, recipe.kind)
     on_nvme = _check_nvme(cfg, placement, layouts, recipe.kind, constructed_nvme_files(model))

@@ -133,14 +133,15 @@ def max_pending_reduce_numel(zero_cfg) -> int:
 
 
 def reduce_buffer_bytes(layouts: list[UnitLayout], policy: PartitionPolicy, compute: torch.dtype,
-                        reduce: torch.dtype, zero_cfg) -> int:
+                        reduce: torch.dtype, zero_cfg, world: int) -> int:
     """The gradient buffers units/unit.py `launch_reduce` allocates for its collective: stage
     2-3 copy every micro-step's gradients into one; below stage 2 the gradient (or its fp32
     sum) is reduced in place unless its dtype is not the reduce dtype. Each unit launches its
     reduction as its gradients complete; the engine waits for the oldest while more than
     `max_pending_reduce_numel` elements are in flight, so at most that many plus the newest
-    unit's are alive at once (all of them, where they add up to less). Each at the bytes a
-    scratch buffer of its size holds (tiers/scratch.py: rounded up to ALIGN)."""
+    unit's are alive at once (all of them, where they add up to less). At world 1 a reduction
+    is complete when launched and the engine takes it at once: one unit's buffer. Each at the
+    bytes a scratch buffer of its size holds (tiers/scratch.py: rounded up to ALIGN)."""
     element = torch.empty(0, dtype=reduce).element_size()
     sizes = []
     for lay in layouts:
@@ -151,4 +152,6 @@ def reduce_buffer_bytes(layouts: list[UnitLayout], policy: PartitionPolicy, comp
             sizes.append(-(-lay.padded_numel * element // ALIGN) * ALIGN)
     if not sizes:
         return 0
+    if world == 1:
+        return max(sizes)
     return min(sum(sizes), max_pending_reduce_numel(zero_cfg) * element + max(sizes))

@@ -271,10 +271,11 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, nn.Module)
         self._step_landed(self._drain(self._max_pending_bytes))
 
     def _drain(self, limit: int) -> list[Unit]:
-        """Wait for reductions until at most `limit` bytes are in flight; the units among them
-        whose offloaded parts step now (step_in_backward)."""
+        """Wait for reductions until at most `limit` bytes are in flight, and take every
+        completed one (at world 1, all: its buffer is given back at once); the units among
+        them whose offloaded parts step now (step_in_backward)."""
         landed = []
-        while self._pending and self._pending_bytes > limit:
+        while self._pending and (self._pending_bytes > limit or self._pending[0][0].ready()):
             handle, nbytes, unit = self._pending.popleft()
             handle.wait()
             self._pending_bytes -= nbytes

@@ -202,7 +202,7 @@ def facts_of(inputs, model: torch.nn.Module, gather: AllGatherRate | None) -> Si
 
     def reduction_bytes(bucket: int) -> int:
         return reduce_buffer_bytes(layouts, inputs.policy, inputs.dtype, inputs.reduce,
-                                   zero.model_copy(update={BUCKET: bucket}))
+                                   zero.model_copy(update={BUCKET: bucket}), inputs.world)
 
     def gathered_bytes(prefetch: int) -> int:
         if not inputs.policy.shard_weights:

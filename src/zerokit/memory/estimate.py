@@ -110,7 +110,8 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
         units = [(name, module, lay.numel, lay.padded_numel)
                  for (name, module, *_), lay in zip(groups, layouts)]
         device["weights"] += element * gathered_peak_numel(units, order or modules, src.model, zero)
-    device["buffers"] += reduce_buffer_bytes(layouts, policy, compute, reduce_dtype(cfg), zero)
+    device["buffers"] += reduce_buffer_bytes(layouts, policy, compute, reduce_dtype(cfg), zero,
+                                             world_size)
     return result
 
 
