@@ -14,6 +14,7 @@ is refused or ignored and the buffer works as before.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 
 HUGE_PAGE = 2 << 20
@@ -30,6 +31,7 @@ except (OSError, AttributeError):  # not Linux/glibc: no hint, plain pages
     _libc = None
 
 
+@functools.cache  # read once: advise runs at every gather of a unit's weights
 def thp_mode() -> str:
     """The system's THP setting ("always", "madvise", "never") or "unavailable"."""
     try:

@@ -64,6 +64,7 @@ import torch
 import torch.nn as nn
 
 from zerokit.comm.collectives import Comm, Handle, require_backed
+from zerokit.io import huge_pages
 from zerokit.policy.layout import ALIGN, UnitLayout, plan_layout
 from zerokit.units.lease import ReadLease
 from zerokit.units.registry import hold, let_go
@@ -450,6 +451,11 @@ class Unit:
         nbytes = self.padded_numel * self.flat.element_size()
         if self.flat.untyped_storage().nbytes() != nbytes:
             self.flat.untyped_storage().resize_(nbytes)
+            if self.flat.device.type == "cpu" and nbytes >= huge_pages.MIN_BYTES:
+                # Fresh, untouched memory every gather (autograd holds views of this storage, so
+                # no cache can hand back the old pages): faulted in 2 MiB pages instead of 4 KiB,
+                # a 0.58B GPT's forward took 8K faults instead of 300K, its backward 66K not 323K.
+                huge_pages.advise(self.flat.data_ptr(), nbytes)
             self._release_bytes = self.ledger.transient("weights", self.flat)
         self._start_gather()
 
