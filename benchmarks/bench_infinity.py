@@ -5,7 +5,7 @@
     python benchmarks/bench_infinity.py --models 125m,1b,3b --rows ds-inf,zk-inf,zk-inf-half
     python benchmarks/bench_infinity.py --models 4b --rows zk-inf-8g                       # the largest
     python benchmarks/bench_infinity.py --models 125m --rows ds-inf,zk-inf,zk-inf-bf16,zk-inf-ds,zk-inf-ds-bf16
-    python benchmarks/bench_infinity.py --models 7b --rows zk-inf-bf16 --steps 2   # 7B: bf16 files only
+    python benchmarks/bench_infinity.py --models 7b --rows zk-inf-files-bf16 --steps 2   # 7B: bf16 files only
 
 The issue's setup (#16): GPT (nanoGPT shape, vocab 32000) at stage 3, parameters and optimizer
 state on NVMe, bf16, AdamW, seq 128, micro-batch 1, one rank, 2 intra-op threads. Each model is
@@ -13,10 +13,13 @@ built inside the library's own `zero.Init(remote_device="nvme")`, so neither sid
 the whole model in RAM first. Each row is its own process (so peak RSS is that row's alone):
   ds-inf       DeepSpeed 0.19 ZeRO-Infinity (CPU accelerator, its async_io op: needs libaio-dev)
   zk-inf       zerokit, DeepSpeed's placement: weights, master, gradients and optimizer state on
-               NVMe, nothing kept in host memory
-  zk-inf-sib   zk-inf stepping in backward (offload_optimizer.step_in_backward): a unit's gradient
-               is held in host memory (a pool of a few units) until its part steps, instead of
-               going to a file; the NVMe stream overlaps backward
+               NVMe, nothing kept in host memory; DeepSpeed's config with zerokit's stream keys,
+               so offload_optimizer.step_in_backward is zerokit's default (on: the speculative
+               step, each unit's gradient held in host memory until its part steps while backward
+               goes on, instead of going to a file)
+  zk-inf-files zk-inf with step_in_backward false: gradients written to NVMe files in backward,
+               the whole stream in step()
+  zk-inf-sib   zk-inf with step_in_backward true, set explicitly
   zk-inf-ds    zerokit, host budget = DeepSpeed's peak RSS at that size (from this run, or
                --ds-rss-gib)
   zk-inf-half  zerokit, host budget = half of that
@@ -38,13 +41,13 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
                (issue #27): the same placement keys and budget, 2-byte master, gradient and state
                files (e.g. zk-inf-bf16, zk-inf-ds-bf16). A second table sets each beside its
                fp32-state row of the same run: bytes read and written per step, disk, s/step.
-Models: 125m, 1b, 3b, 4b and 7b (7.11B). Disk, by expected_disk_bytes: zk-inf 18 B per parameter
-(bf16 weights 2, fp32 master 4, gradients 4, moments 8), zk-inf-bf16 10 (2 + 2 + 2 + 4), a
-row stepping in backward 26 / 14 (no gradient files, but a second slot of master and moments).
-At 7b only the -bf16 rows not stepping in backward fit this VM's disk: zk-inf-bf16 needs 71.1 GB
-(66.2 GiB) of 76.5 GiB free, passing the default --min-free-gib 10 by ~0.3 GiB; a budgeted -bf16
-row (zk-inf-8g-bf16) as much if its planner does not step in backward (if it does: 14 B per
-parameter, 99.5 GB, more than the disk holds; not tried).
+Models: 125m, 1b, 3b, 4b and 7b (7.11B). Disk, by expected_disk_bytes: zk-inf-files 18 B per
+parameter (bf16 weights 2, fp32 master 4, gradients 4, moments 8), zk-inf-files-bf16 10 (2 + 2 + 2
++ 4), a row stepping in backward (zk-inf, -sib) 26 / 14 (no gradient files, but a second slot of
+master and moments). At 7b only the -bf16 rows not stepping in backward fit this VM's disk:
+zk-inf-files-bf16 needs 71.1 GB (66.2 GiB) of 76.5 GiB free, passing the default --min-free-gib
+10 by ~0.3 GiB; a budgeted -bf16 row (zk-inf-8g-bf16) as much if its planner does not step in
+backward (if it does: 14 B per parameter, 99.5 GB, more than the disk holds; not tried).
 Both sides take `gradient_clipping` (--clipping, default 1.0: DeepSpeed's default; 0 turns it off)
 and `gradient_accumulation_steps` (--accumulation, default 1): a timed step is that many
 micro-steps (forward, backward, step() each), and tokens/s counts all of them.
@@ -100,6 +103,7 @@ ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 ROWS = {
     "ds-inf": ("deepspeed", None, "DeepSpeed ZeRO-Infinity"),
     "zk-inf": ("zerokit", None, "zerokit, everything on NVMe"),
+    "zk-inf-files": ("zerokit", None, "zerokit, everything on NVMe, gradients in files"),
     "zk-inf-sib": ("zerokit", None, "zerokit, everything on NVMe, stepping in backward"),
     "zk-inf-ds": ("zerokit", "ds", "zerokit, host budget = DeepSpeed RSS"),
     "zk-inf-half": ("zerokit", "half", "zerokit, host budget = DeepSpeed RSS / 2"),
@@ -162,7 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-gib", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--weights-in-ram", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--delayed", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--step-in-backward", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--step-in-backward", choices=("on", "off"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--bf16-state", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--swap", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -198,12 +202,14 @@ def n_params(model: str) -> int:
 def expected_disk_bytes(model: str, row: str) -> int:
     """Files per parameter, at most: bf16 weight shards (2 B), the master and Adam's two moments
     (fp32: 4 + 8; a -bf16 row: 2 + 4) and the gradient files (4; 2). A row stepping in backward
-    (-sib) has no gradient files but the speculative step's second slot of master and moments
+    (zk-inf, -sib) has no gradient files but the speculative step's second slot of master and moments
     (engine/assemble.py _check_nvme): fp32 18 / -sib 26 B, -bf16 10 / -sib 14 B. The budgeted
     rows are counted without stepping in backward (the planner may choose it and keep part of
     the model in RAM; zerokit's own disk check refuses a plan the disk cannot hold)."""
     m = 2 if _bf16_state(row) else 4  # master and gradient bytes per element; moments 2 m
-    files = 2 + m + 2 * m + (m + 2 * m if _steps_in_backward(row) else m)
+    # None: zerokit's default, on (a zerokit row without a budget)
+    sib = ROWS[row][0] == "zerokit" and not _budgeted(row) and _steps_in_backward(row) is not False
+    files = 2 + m + 2 * m + (m + 2 * m if sib else m)
     return files * n_params(model)
 
 
@@ -216,9 +222,12 @@ def _bf16_state(row: str) -> bool:
     return row.endswith(BF16)
 
 
-def _steps_in_backward(row: str) -> bool:
-    """The -sib row steps in backward by hand; the budgeted rows leave it to the planner."""
-    return _base(row).endswith("-sib")
+def _steps_in_backward(row: str) -> bool | None:
+    """offload_optimizer.step_in_backward as the row sets it: -sib on, -files off; None: left
+    out (zerokit's default, on, for zk-inf and the hand rows; the planner's choice for the
+    budgeted rows)."""
+    base = _base(row)
+    return True if base.endswith("-sib") else False if base.endswith("-files") else None
 
 
 def _budgeted(row: str) -> bool:
@@ -311,7 +320,7 @@ def ds_config(swap: str, model: str, clipping: float = 1.0, accumulation: int = 
 
 def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: bool = False,
               delayed: bool = False, clipping: float = 1.0, accumulation: int = 1,
-              step_in_backward: bool = False, sub_group: int = ZK_SUB_GROUP,
+              step_in_backward: bool | None = None, sub_group: int = ZK_SUB_GROUP,
               bf16_state: bool = False, overrides: dict | None = None) -> dict:
     """zerokit's config: DeepSpeed's, with zerokit's stream settings. With a budget: memory.host
     and the offload devices "auto", every placement key left to the planner; without one,
@@ -335,7 +344,9 @@ def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: b
                 section.pop(key, None)
             section["device"] = "auto"
         return cfg
-    off.update(max_in_cpu=0, step_in_backward=step_in_backward and not delayed)
+    off.update(max_in_cpu=0)
+    if step_in_backward is not None or delayed:  # None: zerokit's default ("auto": on)
+        off["step_in_backward"] = bool(step_in_backward) and not delayed
     if weights_in_ram:
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     else:
@@ -404,7 +415,8 @@ def setup_zerokit(args, rec):
     import zerokit
 
     cfg = zk_config(args.swap, args.model, args.budget_gib, args.weights_in_ram, args.delayed,
-                    args.clipping, args.accumulation, args.step_in_backward, args.sub_group,
+                    args.clipping, args.accumulation,
+                    {None: None, "on": True, "off": False}[args.step_in_backward], args.sub_group,
                     args.bf16_state, json.loads(args.overrides) if args.overrides else None)
     rec["config"] = cfg
     try:
@@ -559,7 +571,8 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None, dd:
            "--accumulation", str(args.accumulation), "--sub-group", str(args.sub_group)] + (["--budget-gib", str(budget)] if budget else [])
     cmd += ["--weights-in-ram"] if ROWS[name][1] == "weights" else []
     cmd += ["--delayed"] if _base(name).endswith("-dpu") else []
-    cmd += ["--step-in-backward"] if _steps_in_backward(name) else []
+    sib = _steps_in_backward(name)
+    cmd += ["--step-in-backward", "on" if sib else "off"] if sib is not None else []
     cmd += ["--bf16-state"] if _bf16_state(name) else []
     cmd += ["--overrides", json.dumps(args.hand_keys[name])] if name in args.hand_keys else []
     env = {**os.environ, **WORKER_ENV, "MASTER_PORT": str(29700 + len(name))}

@@ -22,15 +22,24 @@ def test_defaults_are_deepspeeds_and_the_clip_row_always_clips():
     args = B.parse_args([])
     assert args.clipping == 1.0 and args.accumulation == 1
     assert B.ROW_CLIPPING["zk-inf-ds-clip"] == 1e-3
-    # zk-inf keeps gradients in files, zk-inf-sib steps in backward; the budgeted rows leave it
-    # to the planner
-    assert B._steps_in_backward("zk-inf-sib")
-    assert not B._steps_in_backward("zk-inf") and not B._steps_in_backward("zk-inf-ds-clip")
+    # zk-inf is DeepSpeed's config with zerokit's stream keys: step_in_backward is left to
+    # zerokit's default, as a DeepSpeed user's config leaves it; zk-inf-files keeps gradients in
+    # files, zk-inf-sib sets it on; the budgeted rows leave it to the planner
+    assert B._steps_in_backward("zk-inf-sib") is True
+    assert B._steps_in_backward("zk-inf-files") is False
+    assert B._steps_in_backward("zk-inf") is None and B._steps_in_backward("zk-inf-ds-clip") is None
     zk = B.zk_config("/swap", "1b", None)
-    assert zk["zero_optimization"]["offload_optimizer"]["step_in_backward"] is False
+    assert "step_in_backward" not in zk["zero_optimization"]["offload_optimizer"]
+    files = B.zk_config("/swap", "1b", None, step_in_backward=False)
+    assert files["zero_optimization"]["offload_optimizer"]["step_in_backward"] is False
     sib = B.zk_config("/swap", "1b", None, step_in_backward=True)
     assert sib["zero_optimization"]["offload_optimizer"]["step_in_backward"] is True
     assert sib["zero_optimization"]["offload_optimizer"]["max_in_cpu"] == 0
+    dpu = B.zk_config("/swap", "1b", None, delayed=True)  # the delayed update excludes it
+    assert dpu["zero_optimization"]["offload_optimizer"]["step_in_backward"] is False
+    # the worker gets what the row sets, and nothing where the row leaves it out
+    cmd = lambda row: B.parse_args(["--worker", row, "--step-in-backward", "off"]).step_in_backward  # noqa: E731
+    assert cmd("zk-inf-files") == "off" and B.parse_args([]).step_in_backward is None
     assert "memory" not in zk
 
 
@@ -90,10 +99,13 @@ def test_bf16_rows_are_their_fp32_twins_with_bf16_master_and_states(row):
 def test_expected_disk_bytes_per_parameter():
     # bf16 weights 2 + master 4 + gradients 4 + moments 8; stepping in backward: no gradient
     # files, a second slot of master and moments (1b zk-inf-sib measured 27.05 GB = 26 B x 1.04B)
-    per = {row: B.expected_disk_bytes("1b", row) / B.n_params("1b")
-           for row in ("zk-inf", "zk-inf-sib", "zk-inf-bf16", "zk-inf-sib-bf16", "ds-inf")}
-    assert per == {"zk-inf": 18, "zk-inf-sib": 26, "zk-inf-bf16": 10, "zk-inf-sib-bf16": 14, "ds-inf": 18}
-    assert B.n_params("7b") >= 7e9 and B.expected_disk_bytes("7b", "zk-inf-bf16") < 72e9
+    # files; zk-inf steps in backward by zerokit's default, a budgeted row is counted without
+    rows = ("zk-inf-files", "zk-inf-sib", "zk-inf", "zk-inf-files-bf16", "zk-inf-sib-bf16", "zk-inf-bf16",
+            "zk-inf-ds", "ds-inf")
+    per = {row: B.expected_disk_bytes("1b", row) / B.n_params("1b") for row in rows}
+    assert per == {"zk-inf-files": 18, "zk-inf-sib": 26, "zk-inf": 26, "zk-inf-files-bf16": 10,
+                   "zk-inf-sib-bf16": 14, "zk-inf-bf16": 14, "zk-inf-ds": 18, "ds-inf": 18}
+    assert B.n_params("7b") >= 7e9 and B.expected_disk_bytes("7b", "zk-inf-files-bf16") < 72e9
 
 
 def test_hand_rows_merge_their_keys_into_the_all_nvme_config():
