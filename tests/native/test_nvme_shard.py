@@ -57,3 +57,31 @@ def test_an_illegal_move_raises_naming_the_shard(shard, start, illegal):
                                                 f"change '{start}' -> '{illegal.value}'"):
         shard._move(illegal)
     assert shard.residency is before
+
+
+def test_a_buffer_read_again_is_aligned_for_direct_io_and_counted_at_its_size(tmp_path):
+    """After the gather frees it, the buffer's next storage starts on a 4 KiB boundary (2 MiB:
+    large enough for huge pages), so the read goes to the disk by O_DIRECT, not through the
+    engine's bounce buffer; the tensor stays the same object (the unit's `shard`)."""
+    from zerokit.io import huge_pages
+
+    n = huge_pages.MIN_BYTES // 2 + 7  # bf16 elements: above the huge-page threshold, odd
+    ledger = Ledger()
+    tier = NvmeTier(ledger, str(tmp_path), config=AioConfig(block_size=1 << 20, queue_depth=4))
+    file = tier.allocate("u0/shard", "weights", n, torch.bfloat16)
+    buffer = aligned_empty(n * 2).view(torch.bfloat16)
+    s = NvmeShard(tier, file, buffer, ledger)
+    try:
+        values = torch.randn(n).to(torch.bfloat16)
+        for _ in range(2):
+            s.write_values(values)  # the buffer is stale: freed
+            assert buffer.untyped_storage().nbytes() == 0
+            got = s.ready()
+            assert got is buffer and buffer.data_ptr() % huge_pages.HUGE_PAGE == 0
+            assert torch.equal(got, values)
+            assert ledger.bytes(kind="buffers") == n * 2  # the view's bytes, not its over-allocation
+            s.drop_clean()
+            assert ledger.bytes(kind="buffers") == 0
+    finally:
+        s.close()
+        tier.close()

@@ -4,7 +4,8 @@
 With offload_param device 'nvme' a unit's compute-dtype shard (the `shard` record, policy/layout.py)
 is a file range on the nvme tier, and the unit's `shard` tensor is a host buffer (the
 `shard_buffer` record) whose storage exists only while the values pass through it to a gather:
-its untyped storage is resized to 0 bytes and back, as stage 3 does with `flat`. The buffer is
+its untyped storage is resized to 0 bytes when the gather has copied it, and given fresh aligned
+storage (`set_`, so the tensor stays the unit's `shard`) when a read needs it. The buffer is
 (`ShardResidency`, moved through its table in states.py: an illegal move raises)
     EMPTY     no storage; the file holds the values
     READING   a read of the file into it is in flight (the scheduler's read-ahead, or a gather)
@@ -23,6 +24,7 @@ import torch
 
 from zerokit.tier_names import TierName
 from zerokit.states import ShardResidency, move
+from zerokit.io.buffers import aligned_empty
 from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
 
 
@@ -57,7 +59,8 @@ class NvmeShard:
 
     def __init__(self, nvme: NvmeTier, file: FileRange, buffer: torch.Tensor, ledger):
         self.nvme, self.file, self.buffer, self.ledger = nvme, file, buffer, ledger
-        self._nbytes = buffer.untyped_storage().nbytes()
+        self._nbytes = buffer.numel() * buffer.element_size()
+        self._pinned = buffer.is_pinned()
         self._read: NvmeHandle | None = None
         self._writes: list[tuple[NvmeHandle, torch.Tensor]] = []  # with the source they read
         self._release = ledger.transient("buffers", buffer, tier=TierName.HOST)
@@ -75,12 +78,19 @@ class NvmeShard:
         if self.residency is not ShardResidency.EMPTY:
             return
         self.settle()  # the last step's writes land before the file is read
-        storage = self.buffer.untyped_storage()
-        if storage.nbytes() != self._nbytes:
-            storage.resize_(self._nbytes)
+        if self.buffer.untyped_storage().nbytes() == 0:
+            self._allocate()
             self._release = self.ledger.transient("buffers", self.buffer, tier=TierName.HOST)
         self._read = self.nvme.read(self.file, self.buffer)
         self._move(ShardResidency.READING)
+
+    def _allocate(self) -> None:
+        """Fresh storage under the buffer, 4 KiB-aligned (2 MiB, on huge pages, where large), so
+        the read reaches the disk by O_DIRECT: `resize_` would give torch's 64-byte alignment,
+        which the I/O engine reads through a bounce buffer, one block at a time."""
+        fresh = aligned_empty(self._nbytes, pin=self._pinned)
+        self.buffer.set_(fresh.untyped_storage(), fresh.storage_offset() // self.buffer.element_size(),
+                         self.buffer.shape)
 
     def ready(self) -> torch.Tensor:
         """The buffer, holding the file's values (waits for the read in flight, or reads now)."""
