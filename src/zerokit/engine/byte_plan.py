@@ -9,8 +9,8 @@ planner (engine/planner.py) all read ([Note: the estimator's byte rules] in memo
   gradients' pool, the NVMe stream's buffer sets, the weight shards read ahead);
 - `planned_bytes`: the model states per tier and kind (device and nvme records, the optimizer
   state of each part, the second file slot of a speculative step, and the host need above);
-- `reduce_buffer_bytes`: the gradient buffers the reductions allocate, alive until the end of
-  backward (the same under every placement);
+- `reduce_buffer_bytes`: the gradient buffers of the reductions in flight (one unit's at world
+  1, where each completes as it is launched; the same under every placement);
 - `gradient_write_bytes`: the host buffers of the gradient pieces on their way to NVMe files.
 Pure functions: nothing here allocates.
 """
