@@ -8,7 +8,8 @@ through the host parts (offload_optimizer cpu), stages 1-3, one process.
 - stochastic rounding where scale matters: at an lr whose updates are below half a bf16 ulp, the
   fp32-master run moves the weights, round-to-nearest barely does, stochastic rounding moves them
   by the fp32 run's amount on average (regression slope ~1);
-- an optimizer without a bf16 kernel raises, naming it; the plan names the dtypes; the ledger counts
+- an optimizer without a bf16 kernel (SGD, amsgrad) is torch's on the device part, bit for bit
+  a bf16 model under that torch optimizer; the host refuses it, naming it; the plan names the dtypes; the ledger counts
   2-byte master, gradient and (bf16) state on the host.
 The other tiers (nvme parts, the device part: no offload, Twin-Flow) give the host parts' bits:
 test_bf16_state_tiers.py.
@@ -118,16 +119,69 @@ def test_stochastic_rounding_is_reproducible():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("device, error, match", [
-    ("none", NotImplementedError, "SGD has no bf16 master kernel for the device part"),
-    ("cpu", TypeError, "SGD has no host kernel"),
-])
-def test_an_optimizer_without_a_bf16_kernel_raises_naming_it(device, error, match):
+def test_an_optimizer_without_a_host_kernel_raises_naming_it():
     import zerokit
 
-    cfg = _config(2, device=device)
+    cfg = _config(2, device="cpu")
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
-    with pytest.raises(error, match=match):
+    with pytest.raises(TypeError, match="SGD has no host kernel"):
+        zerokit.initialize(model=tiny_gpt(), config=cfg)
+
+
+# Without offload, an optimizer with no bf16 kernel is torch's, stepping the bf16 master in bf16
+# (DeepSpeed's device path: its client optimizer over bf16 partitions). The reference is that
+# literally: a bf16 model and the same torch optimizer, so every bit must agree.
+NO_KERNEL = {
+    "sgd": ({"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+            lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
+    "sgd-plain": ({"type": "SGD", "params": {"lr": 0.05}},       # scale-sensitive: no momentum
+                  lambda ps: torch.optim.SGD(ps, lr=0.05)),
+    "adamw-amsgrad": ({"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "amsgrad": True}},
+                      lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1, amsgrad=True)),
+}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", sorted(NO_KERNEL))
+def test_an_optimizer_without_a_bf16_kernel_steps_the_bf16_master_as_torch_does(stage, name):
+    import zerokit
+
+    spec, make = NO_KERNEL[name]
+    cfg = _config(stage, device="none")
+    cfg["optimizer"] = spec
+    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    losses = engine_train(engine, global_batches(STEPS, MICRO), 0, 1)
+    weights = engine.consolidated_fp32_state_dict()
+    states = {t.dtype for s in engine.optimizer.state.values() for t in s.values()
+              if torch.is_tensor(t) and t.dim()}
+    engine.destroy()
+
+    model = tiny_gpt().to(torch.bfloat16)
+    opt = make(model.parameters())
+    ref_losses = []
+    for x, y in global_batches(STEPS, MICRO):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert losses == ref_losses
+    for k, w in model.named_parameters():
+        assert torch.equal(weights[k].to(torch.bfloat16), w.detach()), k
+    assert states <= {torch.bfloat16}, states
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"bf16_optimizer_states": False}, "bf16_optimizer_states must be true"),
+    ({"stochastic_rounding": True}, "torch's optimizer rounds to nearest"),
+])
+def test_an_optimizer_without_a_bf16_kernel_refuses_what_torch_cannot_do(change, match):
+    import zerokit
+
+    cfg = _config(2, device="none")
+    cfg["bf16"].update(change)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+    with pytest.raises(NotImplementedError, match=match):
         zerokit.initialize(model=tiny_gpt(), config=cfg)
 
 

@@ -13,8 +13,9 @@ Wired on every part kind, stages 1-3: host parts (offload_optimizer device 'cpu'
 (device 'nvme': bf16 files, 2 bytes per element each, streamed through the same host kernel) and
 the device part (no offload, or Twin-Flow's ratio < 1: the host kernel's math in torch on the
 device, optim/device_kernels.py), so a unit's elements get the same bits whichever tier steps
-them. What has no bf16 kernel (an optimizer other than Adam/AdamW, Adagrad, Lion; amsgrad) raises
-NotImplementedError when the device executor is built (parts/executors.py).
+them. What has no bf16 kernel (an optimizer other than Adam/AdamW, Adagrad, Lion; amsgrad) is
+torch's optimizer in bf16 on the device part, as in DeepSpeed, and needs bf16 states without
+stochastic rounding (parts/executors.py `_bf16_kernel_or_torch`); the host parts refuse it.
 """
 from __future__ import annotations
 

@@ -99,6 +99,34 @@ def bind_parts(optimizer: torch.optim.Optimizer, parts) -> tuple[str, Callable]:
     return family, step_fn
 
 
+def _bf16_kernel_or_torch(optimizer: torch.optim.Optimizer, units: list):
+    """How the device parts' bf16 masters step: (family, step function) of the host kernel's math
+    (optim/device_kernels.py) for the optimizers that have one; None for the others (SGD, Adam
+    with amsgrad, ...), which torch's optimizer steps on the bf16 master in bf16, as DeepSpeed's
+    device path does. Its state is then bf16 (torch keeps state in the parameter's dtype), so
+    fp32 states or stochastic rounding with such an optimizer raise, naming what to change."""
+    from zerokit.optim import device_kernels
+
+    why = "amsgrad=True" if any(g.get("amsgrad") for g in optimizer.param_groups) else None
+    if why is None:
+        try:
+            return kernel_for(optimizer, device_kernels)
+        except TypeError:
+            why = f"{type(optimizer).__name__} (no kernel)"
+    parts = [p for u in units if u.master.dtype == torch.bfloat16 for p in u.parts[-1:]]
+    if any(p.state_dtype != torch.bfloat16 for p in parts):
+        raise NotImplementedError(
+            f"bf16.bf16_master_weights_and_grads with {why} on the device: torch's optimizer steps "
+            f"the bf16 master and keeps its state in bf16, so bf16.bf16_optimizer_states must be "
+            f"true (as DeepSpeed requires without offload); fp32 states with a bf16 master are "
+            f"implemented for {SUPPORTED}")
+    if any(p.rounding for p in parts):
+        raise NotImplementedError(
+            f"bf16.stochastic_rounding with {why} on the device: torch's optimizer rounds to "
+            f"nearest; stochastic rounding is implemented for {SUPPORTED}")
+    return None
+
+
 class DeviceExecutor:
     """Torch's optimizer over the device parts (`unit.master`, gradient `unit.master_grad`).
 
@@ -107,10 +135,11 @@ class DeviceExecutor:
     Units no rank produced a gradient for keep None, so torch skips them, as it skips
     parameters without a gradient.
 
-    A bf16 master (bf16.bf16_master_weights_and_grads) is not stepped by torch's optimizer, whose
-    math would run in bf16: the host kernel's math steps it, through the torch fallback on the
+    A bf16 master (bf16.bf16_master_weights_and_grads) is stepped by the host kernel's math where
+    the optimizer has a kernel (fp32 math, rounded once), through the torch fallback on the
     device (optim/device_kernels.py; `_step_bf16`), with its state in torch's optimizer state
-    under torch's keys (checkpoints and state dicts read it there), in the part's `state_dtype`.
+    under torch's keys (checkpoints and state dicts read it there), in the part's `state_dtype`;
+    other optimizers are torch's, in bf16 (`_bf16_kernel_or_torch`).
     """
 
     def __init__(self, units: list, optimizer: torch.optim.Optimizer, ledger):
@@ -120,18 +149,7 @@ class DeviceExecutor:
         self.ledger = ledger
         self._bf16_step = None  # (family, step function) where the masters are bf16
         if any(u.master.dtype == torch.bfloat16 for u in self.units):
-            from zerokit.optim import device_kernels
-
-            try:
-                self._bf16_step = kernel_for(optimizer, device_kernels)
-            except TypeError:
-                raise NotImplementedError(
-                    f"bf16.bf16_master_weights_and_grads: {type(optimizer).__name__} has no bf16 "
-                    f"master kernel for the device part; zerokit steps bf16 masters with "
-                    f"{SUPPORTED}") from None
-            if any(g.get("amsgrad") for g in optimizer.param_groups):
-                raise NotImplementedError("bf16.bf16_master_weights_and_grads with amsgrad=True "
-                                          "is not implemented; set amsgrad=False")
+            self._bf16_step = _bf16_kernel_or_torch(optimizer, self.units)
             self._group = {id(p): gi for gi, g in enumerate(optimizer.param_groups)
                            for p in g["params"]}
 
