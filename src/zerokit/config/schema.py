@@ -2,144 +2,22 @@
 
 Key names and meanings are DeepSpeed's, so an existing config works unchanged for what zerokit
 implements. Every model forbids unknown keys (see errors.py for the message). Values that depend on
-the world size (the batch-size triple) are resolved by `ZeroKitConfig.resolve_batch`.
+the world size (the batch-size triple) are resolved by `ZeroKitConfig.resolve_batch`. The
+`optimizer` and `scheduler` sections and their params' checks are config/optimizer_sections.py;
+what every section shares (strictness, whole floats as ints) is config/section.py.
 """
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-
-class _Section(BaseModel):
-    # strict: pydantic's lax mode turns "yes", "on" and 1 into True and "10" into 10, so a quoted
-    # or mistyped value would silently mean something. JSON ints stay valid for float fields.
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, strict=True)
+from zerokit.config.optimizer_sections import OptimizerConfig, SchedulerConfig
+from zerokit.config.section import Int, Section
 
 
-def _whole_float_to_int(value: Any) -> Any:
-    """5e8 is how DeepSpeed configs write bucket sizes, and JSON makes it a float: a whole-number
-    float becomes that int; anything else goes on to the strict int check (and is refused)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-# Every int field: strict (no "10", no true), but 5e8 is 500000000.
-Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
-
-
-OptimizerType = Literal["Adam", "AdamW", "SGD", "Adagrad", "Lion"]
-SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
-# DeepSpeed's own optimizer names (runtime/config.py DEEPSPEED_OPTIMIZERS), lower case -> ours.
-_DEEPSPEED_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lion": "Lion"}
-
-# Hyperparameters each optimizer type accepts (torch's names; DeepSpeed passes them through).
-OPTIMIZER_PARAMS: dict[str, set[str]] = {
-    "Adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "fused"},
-    "AdamW": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "fused"},
-    "SGD": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
-    "Adagrad": {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"},
-    "Lion": {"lr", "betas", "weight_decay"},
-}
-
-SCHEDULER_PARAMS: dict[str, set[str]] = {
-    "WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"},
-    "WarmupDecayLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-                      "total_num_steps", "last_batch_iteration"},
-    "WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
-                       "warmup_type", "last_batch_iteration"},
-}
-
-
-# The params that are flags or names; every other param is a number (or, as betas, a list of them).
-FLAG_PARAMS = {"amsgrad", "adam_w_mode", "torch_adam", "fused", "nesterov"}
-NAME_PARAMS = {"warmup_type"}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_params(kind: str, type_: str, params: dict[str, Any], table: dict[str, set[str]]) -> None:
-    import difflib
-
-    allowed = table[type_]
-    for key, value in params.items():
-        if key not in allowed:
-            near = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.5)
-            hint = f"; did you mean '{near[0]}'?" if near else ""
-            raise ValueError(
-                f"unknown {kind} param '{key}' for type {type_}{hint} "
-                f"(valid: {', '.join(sorted(allowed))})"
-            )
-        _check_param_value(f"{kind}.params.{key}", key, value)
-
-
-def _check_param_value(where: str, key: str, value: Any) -> None:
-    """The params pass through to torch untyped, so they get the schema's strictness here."""
-    if key in FLAG_PARAMS:
-        ok, allowed = isinstance(value, bool), "true or false"
-    elif key in NAME_PARAMS:
-        ok, allowed = isinstance(value, str), "a string"
-    else:
-        ok = _is_number(value) or (isinstance(value, (list, tuple)) and all(map(_is_number, value)))
-        allowed = "a number (or a list of numbers)"
-    if not ok:
-        raise ValueError(f"{where} must be {allowed} (got {value!r})")
-    _check_param_range(where, key, value)
-
-
-def _check_param_range(where: str, key: str, value: Any) -> None:
-    """The ranges torch would refuse later, without naming the key (or with a bare TypeError)."""
-    if key == "betas":
-        if not (isinstance(value, (list, tuple)) and len(value) == 2):
-            raise ValueError(f"{where} must be a list of two numbers [beta1, beta2], each in "
-                             f"[0, 1) (got {value!r})")
-        for i, b in enumerate(value):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"{where}[{i}] must be in [0, 1) (got {b!r} in {value!r})")
-    elif key in ("eps", "weight_decay", "momentum", "lr_decay", "initial_accumulator_value"):
-        if isinstance(value, (list, tuple)) or value < 0:
-            raise ValueError(f"{where} must be a number >= 0 (got {value!r})")
-
-
-class OptimizerConfig(_Section):
-    type: OptimizerType = Field(description="Optimizer class, DeepSpeed's names.")
-    params: dict[str, Any] = Field(default_factory=dict, description="Passed to the optimizer.")
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _deepspeed_names_any_case(cls, value: Any) -> Any:
-        """DeepSpeed matches its own optimizer names in any case ("adamw", "ADAM"); other names
-        are torch.optim class names, matched exactly ("SGD"), as in DeepSpeed."""
-        if isinstance(value, str):
-            return _DEEPSPEED_OPTIMIZER_NAMES.get(value.lower(), value)
-        return value
-
-    @model_validator(mode="after")
-    def _known_params(self) -> "OptimizerConfig":
-        _check_params("optimizer", self.type, self.params, OPTIMIZER_PARAMS)
-        lr = self.params.get("lr", 1e-3)
-        if not _is_number(lr) or lr < 0:
-            raise ValueError(f"optimizer.params.lr must be a number >= 0 (got {lr!r})")
-        return self
-
-
-class SchedulerConfig(_Section):
-    type: SchedulerType
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _known_params(self) -> "SchedulerConfig":
-        _check_params("scheduler", self.type, self.params, SCHEDULER_PARAMS)
-        if self.type in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in self.params:
-            raise ValueError(f"scheduler type {self.type} needs params.total_num_steps")
-        return self
-
-
-class FP16Config(_Section):
+class FP16Config(Section):
     enabled: bool = False
     loss_scale: float = Field(0.0, ge=0, description="0 selects dynamic loss scaling.")
     initial_scale_power: Int = Field(16, ge=0, le=64)
@@ -156,7 +34,7 @@ class FP16Config(_Section):
                           "such steps, every one of them, for as long as gradients overflow.")
 
 
-class BF16Config(_Section):
+class BF16Config(Section):
     enabled: bool = False
     bf16_master_weights_and_grads: bool = Field(
         False, description="The master weights and the gradients the optimizer reads are bf16 "
@@ -181,7 +59,7 @@ class BF16Config(_Section):
         0, ge=0, lt=2**64, description="zerokit: the seed of stochastic_rounding's random bits.")
 
 
-class DelayedUpdateConfig(_Section):
+class DelayedUpdateConfig(Section):
     enabled: bool = Field(
         False, description="zerokit (ZeRO-Offload's one-step delayed parameter update): after "
                            "warmup_steps normal steps, the host update of step t runs while step "
@@ -192,7 +70,7 @@ class DelayedUpdateConfig(_Section):
     warmup_steps: Int = Field(10, ge=0, description="Normal (undelayed) steps before delaying.")
 
 
-class OffloadOptimizerConfig(_Section):
+class OffloadOptimizerConfig(Section):
     device: Literal["none", "cpu", "nvme", "auto"] = Field(
         "none", description="Where fp32 master weights, optimizer state and gradient shards live. "
                             "zerokit: 'auto' (or the section left out) with a memory budget: the "
@@ -254,7 +132,7 @@ class OffloadOptimizerConfig(_Section):
         return self
 
 
-class OffloadParamConfig(_Section):
+class OffloadParamConfig(Section):
     device: Literal["none", "cpu", "nvme", "auto"] = Field(
         "none", description="Stage 3: where each rank's persistent weight shard lives; gathering "
                             "copies it host -> device, then all-gathers (prefetched ahead of use). "
@@ -286,7 +164,7 @@ class OffloadParamConfig(_Section):
         return self
 
 
-class ZeroConfig(_Section):
+class ZeroConfig(Section):
     stage: Int = Field(0, ge=0, le=3, description="0: DDP, 1: optimizer state, 2: +gradients, 3: +weights.")
     reduce_bucket_size: Int = Field(500_000_000, gt=0, description="Elements per gradient collective.")
     allgather_bucket_size: Int = Field(500_000_000, gt=0, description="Elements per weight all-gather.")
@@ -344,7 +222,7 @@ class ZeroConfig(_Section):
         return self
 
 
-class AioSection(_Section):
+class AioSection(Section):
     """DeepSpeed's `aio` section: the I/O engine of NVMe offload (zerokit.io.AioConfig)."""
 
     block_size: Int = Field(1 << 20, gt=0, description="Bytes per I/O request (multiple of 4096).")
@@ -372,7 +250,7 @@ class AioSection(_Section):
                          single_submit=self.single_submit, overlap_events=self.overlap_events)
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     async_save: bool = Field(
         False, description="zerokit: save_checkpoint copies the shards to host memory and returns; "
                            "a background thread writes and commits (the next save or load waits).")
@@ -393,7 +271,7 @@ class CheckpointConfig(_Section):
         return value.upper() if isinstance(value, str) else value
 
 
-class PreemptionConfig(_Section):
+class PreemptionConfig(Section):
     handle_sigterm: bool = Field(
         True, description="zerokit: on SIGTERM (what schedulers send before a kill) finish the "
                           "current step on every rank, save a checkpoint to save_dir if set, and "
@@ -404,7 +282,7 @@ class PreemptionConfig(_Section):
                           "save_dir, default tag, `latest` updated); none: exit without saving.")
 
 
-class ActivationCheckpointingConfig(_Section):
+class ActivationCheckpointingConfig(Section):
     """DeepSpeed's `activation_checkpointing` section: how zerokit.activations.checkpoint keeps
     the inputs it saves for recomputation (zerokit/activations/)."""
 
@@ -451,7 +329,7 @@ def parse_size(value: "int | str", key: str) -> int:
     return int(float(found.group(1)) * _UNITS[found.group(2)])
 
 
-class MemoryConfig(_Section):
+class MemoryConfig(Section):
     """zerokit: memory budgets per tier, enforced by the ledger at every allocation (tiers/ledger.py
     [Note: budgets]), and the input of the placement planner (engine/planner.py, [Note: the
     placement planner]): with a budget given, offload_optimizer.device / offload_param.device
@@ -486,7 +364,7 @@ class MemoryConfig(_Section):
         return self
 
 
-class ZeroKitConfig(_Section):
+class ZeroKitConfig(Section):
     train_batch_size: Int | None = Field(None, gt=0)
     train_micro_batch_size_per_gpu: Int | None = Field(None, gt=0)
     gradient_accumulation_steps: Int | None = Field(None, gt=0)
