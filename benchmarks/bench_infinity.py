@@ -52,11 +52,12 @@ Both sides take `gradient_clipping` (--clipping, default 1.0: DeepSpeed's defaul
 and `gradient_accumulation_steps` (--accumulation, default 1): a timed step is that many
 micro-steps (forward, backward, step() each), and tokens/s counts all of them.
 The budgeted rows (zk-inf-ds, zk-inf-half, zk-inf-8g, zk-inf-4g, and the -dpu and -clip variants) pass
-`memory.host` and nothing else placement-wise: offload_optimizer.device and offload_param.device
-are "auto" (with the swap folder as their nvme_path) and max_in_cpu, buffer counts, the Twin-Flow
-ratio and step_in_backward are left out, so zerokit's placement planner (engine/planner.py)
-chooses them at initialize from the budget, the model's units and the bandwidths it measured
-(its choice and the candidates it weighed are in the row's log). The model is built on NVMe
+`memory.host` and nothing else: DeepSpeed's config (ds-inf's) with offload_optimizer.device and
+offload_param.device "auto" (the swap folder as their nvme_path), and max_in_cpu, buffer counts,
+the Twin-Flow ratio, step_in_backward, sub_group_size and the stream's pipelining left out, so
+zerokit's placement planner (engine/planner.py, engine/size_plan.py) chooses them at initialize
+from the budget, the model's units and the bandwidths it measured (its choice and the candidates
+it weighed are in the row's log). The model is built on NVMe
 (zero.Init remote_device "nvme") and placed by initialize. Both sides build the model in bf16
 (zero.Init dtype).
 
@@ -331,19 +332,24 @@ def zk_config(swap: str, model: str, budget_gib: float | None, weights_in_ram: b
     if bf16_state:
         cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     zero = cfg["zero_optimization"]
-    zero["sub_group_size"] = sub_group
-    zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
     off, param = zero["offload_optimizer"], zero["offload_param"]
-    off.update(pipeline_read=True, pipeline_write=True)
     if delayed:  # ZeRO-Offload's one-step delayed update, after one normal step
         off["delayed_update"] = {"enabled": True, "warmup_steps": 1}
     if budget_gib is not None:
+        # The budget and nothing else (#28 point 4): the placement, its buffer counts, the
+        # stream's sub-group and pipelining (zerokit's default: on) and the reduction bucket
+        # are left to initialize's planner (engine/planner.py, engine/size_plan.py).
         cfg["memory"] = {"host": int(budget_gib * GiB)}
+        zero.pop("sub_group_size")
         for section in (off, param):
-            for key in ("buffer_count", "buffer_size", "max_in_cpu"):
+            for key in ("buffer_count", "buffer_size", "max_in_cpu", "pipeline_read",
+                        "pipeline_write"):
                 section.pop(key, None)
             section["device"] = "auto"
         return cfg
+    zero["sub_group_size"] = sub_group
+    zero["reduce_bucket_size"] = ZK_REDUCE_BUCKET
+    off.update(pipeline_read=True, pipeline_write=True)
     off.update(max_in_cpu=0)
     if step_in_backward is not None or delayed:  # None: zerokit's default ("auto": on)
         off["step_in_backward"] = bool(step_in_backward) and not delayed

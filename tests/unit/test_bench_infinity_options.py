@@ -43,12 +43,15 @@ def test_defaults_are_deepspeeds_and_the_clip_row_always_clips():
     assert "memory" not in zk
 
 
-# The keys that say where state lives: a budgeted row sets none of them (issue #28).
-PLACEMENT_KEYS = {"max_in_cpu", "buffer_count", "buffer_size", "ratio", "step_in_backward"}
+# The keys that say where state lives and how it streams: a budgeted row sets none of them
+# (issue #28 point 4); the planner chooses them, the sizes beside them.
+PLACEMENT_KEYS = {"max_in_cpu", "buffer_count", "buffer_size", "ratio", "step_in_backward",
+                  "pipeline_read", "pipeline_write"}
+SIZE_KEYS = {"sub_group_size", "reduce_bucket_size"}
 
 
 @pytest.mark.parametrize("row", ["zk-inf-ds", "zk-inf-half", "zk-inf-8g", "zk-inf-ds-dpu", "zk-inf-ds-clip"])
-def test_budgeted_rows_pass_a_host_budget_and_nothing_else_placement_wise(row):
+def test_budgeted_rows_pass_a_host_budget_and_nothing_else(row):
     assert B._budgeted(row)
     cfg = B.zk_config("/swap", "1b", 7.5, delayed=row.endswith("-dpu"))
     assert cfg["memory"] == {"host": int(7.5 * 2**30)}
@@ -56,6 +59,7 @@ def test_budgeted_rows_pass_a_host_budget_and_nothing_else_placement_wise(row):
     for section in ("offload_optimizer", "offload_param"):
         assert zero[section]["device"] == "auto" and zero[section]["nvme_path"] == "/swap"
         assert not PLACEMENT_KEYS & set(zero[section]), (section, zero[section])
+    assert not SIZE_KEYS & set(zero), zero
     assert not hasattr(B, "budget_keys") and not hasattr(B, "allowance_gib")
     # the config is one zerokit accepts
     from zerokit.config import load_config

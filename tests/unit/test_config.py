@@ -218,3 +218,19 @@ def test_an_ignored_key_is_one_table_line(monkeypatch) -> None:
 def test_optimizer_type_matches_deepspeed_names_in_any_case(given, expected) -> None:
     """DeepSpeed lower-cases its own optimizer names (runtime/config.py), its tests write "adamw"."""
     assert load_config({**BASE, "optimizer": {"type": given}}).optimizer.type == expected
+
+
+def test_the_nvme_stream_pipelines_unless_the_config_says_not_to() -> None:
+    """zerokit's default (DeepSpeed's is off): read ahead and write behind, same buffer sets."""
+    from zerokit.engine.byte_plan import stream_settings
+    from zerokit.policy import PlacementPolicy
+
+    def settings(**keys):
+        off = {"device": "nvme", "nvme_path": "/tmp", **keys}
+        cfg = load_config({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": off}})
+        return stream_settings(cfg, PlacementPolicy())
+
+    default = settings()
+    assert (default.pipeline_read, default.pipeline_write, default.read_ahead) == (True, True, 2)
+    serial = settings(pipeline_read=False, pipeline_write=False)
+    assert (serial.pipeline_read, serial.pipeline_write, serial.read_ahead) == (False, False, 0)

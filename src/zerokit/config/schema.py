@@ -89,10 +89,12 @@ class OffloadOptimizerConfig(Section):
     buffer_count: Int = Field(
         4, ge=2, description="device 'nvme': host buffer sets the step streams sub-groups through "
                              "(read i+1 and write i-1 while i updates needs 3).")
-    pipeline_read: bool = Field(False, description="device 'nvme': read the next sub-groups "
-                                                   "while one updates.")
-    pipeline_write: bool = Field(False, description="device 'nvme': write a sub-group back "
-                                                    "while the next updates.")
+    # On by default (DeepSpeed: off, its pipelined swapper being optional): the same kernel
+    # on the same sub-groups in the same order, so the same bits, in the same buffer sets.
+    pipeline_read: bool = Field(True, description="device 'nvme': read the next sub-groups "
+                                                  "while one updates.")
+    pipeline_write: bool = Field(True, description="device 'nvme': write a sub-group back "
+                                                   "while the next updates.")
     fast_init: bool = Field(
         False, description="device 'nvme': both values give the same start: state files are "
                            "zero-filled when reserved, so no initializing step runs either way.")
