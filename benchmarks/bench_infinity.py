@@ -642,6 +642,14 @@ def _redo_cell(r: dict) -> str:
     return f"{d['redo_s']:.2f} s, {d['redone']:.0f}/{d['committed'] + d['redone']:.0f} redone"
 
 
+def busy_pace(r: dict) -> float | None:
+    """The median over the timed steps of the disk's pace while busy (GB/s, reads and writes
+    together): the device's state during the row, to read a row's time against its peer's (the
+    disk's pace swings several-fold within the hour; docs/nvme.md)."""
+    paces = [p["gb_s"] for p in r.get("disk_pace") or [] if p]
+    return C.summarize(paces)["median"] if paces else None
+
+
 def _note(r: dict) -> str:
     """The budget, and the RSS peak of setup and of the timed steps apart (which one set the run's)."""
     parts = [f"budget {r['budget_gib']:.1f} GiB"] if r["budget_gib"] else []
@@ -660,19 +668,21 @@ def _note(r: dict) -> str:
 
 def report(results: list[dict]) -> str:
     headers = ["model", "row", "s/step", "tokens/s", "vs DS", "peak RSS GiB", "disk GB", "read GB/step",
-               "write GB/step", "I/O GB/s", "disk idle s (no read/no write)", "redo", "note"]
+               "write GB/step", "I/O GB/s", "busy disk GB/s", "disk idle s (no read/no write)", "redo",
+               "note"]
     ds = {r["model"]: r for r in results if r["row"] == "ds-inf" and r["status"] == "ok"}
     rows = []
     for r in results:
         if r["status"] != "ok":
-            rows.append([r["model"], r["row"]] + [""] * 10 + [f"{r['status']}: {r.get('reason', '')}"[:100]])
+            rows.append([r["model"], r["row"]] + [""] * 11 + [f"{r['status']}: {r.get('reason', '')}"[:100]])
             continue
         peer = ds.get(r["model"])
         rows.append([r["model"], r["row"], C.fmt_num(r["step_s"]["median"], ".2f"), C.fmt_num(r["tokens_per_s"], ".1f"),
                      C.fmt_num(C.ratio(r["tokens_per_s"], peer["tokens_per_s"]) if peer else None, ".2f", "x"),
                      C.fmt_num(r["peak_rss_mb"] / 1024, ".2f"), C.fmt_num(r["disk_peak_bytes"] / 1e9, ".1f"),
                      C.fmt_num(r["read_bytes_per_step"] / 1e9, ".2f"), C.fmt_num(r["write_bytes_per_step"] / 1e9, ".2f"),
-                     C.fmt_num(r["io_gb_s"], ".2f"), _idle_cell(r), _redo_cell(r), _note(r)])
+                     C.fmt_num(r["io_gb_s"], ".2f"), C.fmt_num(busy_pace(r), ".2f"), _idle_cell(r),
+                     _redo_cell(r), _note(r)])
     return C.format_table(headers, rows)
 
 

@@ -168,6 +168,8 @@ def test_a_step_is_marked_stalled_when_the_busy_disk_moves_under_its_share_of_dd
     row = {"budget_gib": None, "row": "zk-inf", "clipping": 1.0, "accumulation": 1, "stalls": st,
            "disk_pace": paces}
     assert "disk stalled in 1 of 4 steps (< 0.40 GB/s busy), the others 21.00 s" in B._note(row)
+    assert B.busy_pace(row) == pytest.approx((0.28 + 1.20) / 2)  # the median of the 4 paces
+    assert B.busy_pace({"disk_pace": [None, None]}) is None
     assert B.stalls(steps, paces[:3] + [None], dd) is None  # a step without counters: unknown
     assert B.stalls(steps, paces, {"write_gb_s": None, "read_gb_s": None}) is None
     # the counters of the disk holding a folder: bytes and busy seconds only grow
