@@ -734,12 +734,18 @@ def bf16_report(results: list[dict]) -> str | None:
                            "disk GB", "ratio", "s/step", "ratio"], rows)
 
 
+def row_list(args) -> list[str]:
+    """The rows to run, in order: --rows, then the --hand rows; each once (a hand row named in
+    --rows too runs where --rows puts it)."""
+    return list(dict.fromkeys([r for r in args.rows.split(",") if r] + list(args.hand_keys)))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return run_worker(args)
     models = [m for m in args.models.split(",") if m]
-    rows = [r for r in args.rows.split(",") if r] + list(args.hand_keys)
+    rows = row_list(args)
     for m in models:
         if m not in MODELS:
             raise SystemExit(f"--models: unknown {m!r}; choose from {', '.join(MODELS)}")

@@ -182,3 +182,10 @@ def test_a_step_is_marked_stalled_when_the_busy_disk_moves_under_its_share_of_dd
         assert b[0] >= a[0] and b[1] >= a[1]
     assert B.disk_pace((0, 1.0), (3e9, 3.0)) == {"gb": 3.0, "busy_s": 2.0, "gb_s": 1.5}
     assert B.disk_pace((0, 1.0), (0, 1.0)) is None  # never busy: no pace
+
+
+def test_a_hand_row_named_in_rows_too_runs_once():
+    args = B.parse_args(["--rows", "ds-inf,hand-x,zk-inf", "--hand", 'x={"aio": {"queue_depth": 32}}'])
+    assert B.row_list(args) == ["ds-inf", "hand-x", "zk-inf"]
+    args = B.parse_args(["--rows", "ds-inf", "--hand", 'x={"aio": {"queue_depth": 32}}'])
+    assert B.row_list(args) == ["ds-inf", "hand-x"]
