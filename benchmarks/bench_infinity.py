@@ -145,8 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clipping", type=float, default=1.0,
                    help="gradient_clipping on both sides (default 1.0, DeepSpeed's; 0: none)")
     p.add_argument("--sub-group", type=int, default=ZK_SUB_GROUP,
-                   help=f"zerokit rows' sub_group_size: elements per NVMe stream request (default "
-                        f"{ZK_SUB_GROUP:,}; host buffers: 4 sets x 4 to 4.5 x 4 B x this)")
+                   help=f"the unbudgeted zerokit rows' sub_group_size: elements per NVMe stream "
+                        f"request (default {ZK_SUB_GROUP:,}; host buffers: 4 sets x 4 to 4.5 x 4 B "
+                        f"x this); the budgeted rows leave it to the planner")
     p.add_argument("--accumulation", type=int, default=1,
                    help="gradient_accumulation_steps on both sides (default 1; the issue's rows: 1 and 4)")
     p.add_argument("--nvme-dir", default=None, help="swap folder parent (default: a temporary "
