@@ -53,11 +53,11 @@ def _train(rank, world, path, headroom, cache, again=False):
     import psutil
 
     import zerokit
-    from zerokit.engine import bandwidths, planner
+    from zerokit.engine import bandwidths, planner_at_init
 
     plans = []  # what initialize planned, sizes included
-    planned = planner.plan_at_initialize
-    planner.plan_at_initialize = lambda *a: plans.append(planned(*a)) or plans[-1]
+    planned = planner_at_init.plan_at_initialize
+    planner_at_init.plan_at_initialize = lambda *a: plans.append(planned(*a)) or plans[-1]
 
     os.environ["ZEROKIT_CACHE_DIR"] = cache
     bandwidths.PROBE = lambda p, d: bandwidths.Bandwidths(10e9, 2e9, 1e9, 400e6, 100e6, "", "injected")

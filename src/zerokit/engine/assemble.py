@@ -22,7 +22,7 @@ from zerokit.units.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
 from zerokit.engine.engine import Engine
 from zerokit.parts.executors import DeviceExecutor, HostExecutor
-from zerokit.engine import bf16_state, host_budget, nvme_plan, planner
+from zerokit.engine import bf16_state, host_budget, nvme_plan, planner, planner_at_init
 from zerokit.parts.nvme_executor import NvmeExecutor
 from zerokit.engine.byte_plan import (gradient_write_bytes, plan_layouts, planned_host_need,
                                      reduce_buffer_bytes, stream_settings)
@@ -72,7 +72,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     groups = group_parameters(model, select_modules(model, wrap), recipe.group_of)
     placed = None
     if planner.asked(cfg, budgets):  # budgets in, placement out: the chosen keys fill the config
-        placed = planner.plan_at_initialize(planner.PlanInputs(
+        placed = planner_at_init.plan_at_initialize(planner.PlanInputs(
             cfg, groups, comm.world_size, comm.rank, comm.device.type == "cuda", policy, dtype,
             reduce_dtype(cfg), batch[2], recipe.kind, optimizer, budgets,
             rss_margin=parse_size(cfg.memory.rss_margin, "memory.rss_margin")), model, comm)
