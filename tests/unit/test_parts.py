@@ -22,7 +22,7 @@ def _part(master: list[float], *, home_dtype=torch.bfloat16, in_place=False, add
 
 
 def test_a_reduction_writes_below_stage_2_and_adds_from_stage_2() -> None:
-    # See [Note: one reduction, one meaning] in units/unit.py.
+    # See [Note: one reduction, one meaning] in units/reduction.py.
     once, _ = _part([0.0] * 4)
     once.grad.fill_(7.0)  # whatever was there before the step's one reduction
     once.take_grad(torch.tensor([1.0, 2.0]), 1)

@@ -134,7 +134,7 @@ def max_pending_reduce_numel(zero_cfg) -> int:
 
 def reduce_buffer_bytes(layouts: list[UnitLayout], policy: PartitionPolicy, compute: torch.dtype,
                         reduce: torch.dtype, zero_cfg, world: int) -> int:
-    """The gradient buffers units/unit.py `launch_reduce` allocates for its collective: stage
+    """The gradient buffers units/reduction.py `launch_reduce` allocates for its collective: stage
     2-3 copy every micro-step's gradients into one; below stage 2 the gradient (or its fp32
     sum) is reduced in place unless its dtype is not the reduce dtype. Each unit launches its
     reduction as its gradients complete; the engine waits for the oldest while more than

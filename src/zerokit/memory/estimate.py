@@ -13,7 +13,7 @@ The estimate is the engine's own plan, run on a model that lives on the meta dev
   masters and gradients follow the placement's dtypes (engine/bf16_state.py `with_state_dtypes`,
   as at initialize);
 - stage 3's gathered weights are the real scheduler's peak over the model's use order
-  (engine/gathered_peak.py), and the reduction's gradient buffers those units/unit.py
+  (engine/gathered_peak.py), and the reduction's gradient buffers those units/reduction.py
   `launch_reduce` allocates (byte_plan.py `reduce_buffer_bytes`: as many alive as the engine
   lets be in flight);
 - activations are the bytes one micro-batch's forward saves for backward, measured on the meta

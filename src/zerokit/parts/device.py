@@ -29,7 +29,7 @@ class DevicePart:
         self.grad = grad
         self._home = home  # the weights' elements this part's master updates
         self.in_place = in_place
-        self._adds = shard_gradients  # see [Note: one reduction, one meaning] in units/unit.py
+        self._adds = shard_gradients  # see [Note: one reduction, one meaning] in units/reduction.py
         self.state_dtype = torch.float32
         self.rounding: dict = {}
 
