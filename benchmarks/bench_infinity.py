@@ -51,6 +51,15 @@ backward (if it does: 14 B per parameter, 99.5 GB, more than the disk holds; not
 Both sides take `gradient_clipping` (--clipping, default 1.0: DeepSpeed's default; 0 turns it off)
 and `gradient_accumulation_steps` (--accumulation, default 1): a timed step is that many
 micro-steps (forward, backward, step() each), and tokens/s counts all of them.
+Each row waits for the disk to settle twice: before its worker starts (the previous row's files,
+or dd's, were just written and removed) and in the worker between setup (tens of GB of files
+written) and the first warm-up step. This VM's disk is slow for minutes after a burst of writes
+(docs/nvme.md): rows started straight after one meet it in different states, and their ratios
+are noise.
+The wait polls the disk's own counters and ends once it has written nothing and had nothing in
+flight for --settle-quiet-s seconds in a row (default 10), or after --settle-max-s (default 120;
+0: no wait); the row's note gives the seconds waited, and says where the swap folder has no block
+device to watch (tmpfs).
 The budgeted rows (zk-inf-ds, zk-inf-half, zk-inf-8g, zk-inf-4g, and the -dpu and -clip variants) pass
 `memory.host` and nothing else: DeepSpeed's config (ds-inf's) with offload_optimizer.device and
 offload_param.device "auto" (the swap folder as their nvme_path), and max_in_cpu, buffer counts,
@@ -157,6 +166,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-free-gib", type=float, default=10.0,
                    help="refuse a row whose expected disk use leaves less free (default 10)")
     p.add_argument("--row-timeout", type=float, default=3600.0)
+    p.add_argument("--settle-quiet-s", type=float, default=10.0,
+                   help="before a row and before its timed steps, wait until the disk has written "
+                        "nothing for this long (default 10)")
+    p.add_argument("--settle-max-s", type=float, default=120.0,
+                   help="but wait no longer than this (default 120; 0: no wait)")
     p.add_argument("--hand", action="append", default=[], metavar="LABEL=JSON",
                    help="a zerokit row tuned by hand, run after --rows as 'hand-LABEL': JSON is "
                         "merged into the all-NVMe config (e.g. '{\"zero_optimization\": "
@@ -192,6 +206,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--clipping: {args.clipping} is negative; give 0 (none) or a positive norm")
     if args.accumulation < 1:
         p.error(f"--accumulation: {args.accumulation}; give 1 or more micro-steps per step")
+    if args.settle_quiet_s < 0:
+        p.error(f"--settle-quiet-s: {args.settle_quiet_s} is negative")
+    if args.settle_max_s < 0:
+        p.error(f"--settle-max-s: {args.settle_max_s} is negative; give 0 for no wait")
     return args
 
 
@@ -286,6 +304,41 @@ def disk_pace(before, after) -> dict | None:
         return None
     moved, busy = after[0] - before[0], after[1] - before[1]
     return {"gb": moved / 1e9, "busy_s": busy, "gb_s": moved / busy / 1e9}
+
+
+def write_counters(path: Path | None) -> tuple[int, int] | None:
+    """(sectors written since boot, requests in flight now) of the block device at `path`."""
+    if path is None:
+        return None
+    f = [int(x) for x in path.read_text().split()]
+    return f[6], f[8]
+
+
+def settle(sample, quiet_s: float, max_s: float, clock=time.monotonic, sleep=time.sleep,
+           poll_s: float = 1.0) -> dict | None:
+    """Wait until the disk has written nothing and had nothing in flight for `quiet_s` seconds in
+    a row, or for `max_s` seconds at most: this VM's disk runs at a fraction of its pace for
+    minutes after a burst of writes (docs/nvme.md), so a row started straight after one is timed
+    against a slower disk than its peers. `sample()` gives (sectors written, requests in flight),
+    or None where there is no block device to watch. Returns {"waited_s", "settled"} (settled
+    False: gave up at max_s), or None when there was no wait (max_s 0, or nothing to sample)."""
+    if max_s <= 0:
+        return None
+    last = sample()
+    if last is None:
+        return None
+    start = quiet_since = clock()
+    while True:
+        now = clock()
+        if now - quiet_since >= quiet_s:
+            return {"waited_s": now - start, "settled": True}
+        if now - start >= max_s:
+            return {"waited_s": now - start, "settled": False}
+        sleep(poll_s)
+        counters = sample()
+        if counters[0] != last[0] or counters[1]:  # a write since the last look, or one under way
+            quiet_since = clock()
+        last = counters
 
 
 def ds_config(swap: str, model: str, clipping: float = 1.0, accumulation: int = 1) -> dict:
@@ -456,6 +509,10 @@ def run_worker(args) -> int:
         rec["setup_s"] = C.now() - t0
         rec["rss_after_setup_mb"] = C.current_rss_mb()
         rec["setup_peak_mb"] = C.take_rss_high_water_mb()
+        block = block_stat_path(Path(args.swap))
+        # setup just wrote the model's files: the steps start on a settled disk, as every row's do
+        rec["settle"] = settle(lambda: write_counters(block), args.settle_quiet_s, args.settle_max_s)
+        print(f"settle before the steps: {rec['settle']}", flush=True)
         g = torch.Generator().manual_seed(7)
         k = args.accumulation
         aio = getattr(getattr(engine, "nvme_tier", None), "aio", None)  # zerokit's I/O engine
@@ -463,7 +520,7 @@ def run_worker(args) -> int:
         toks = [[torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g) for _ in range(k)]
                 for _ in range(args.warmup + args.steps)]
         steps, phases, reads, writes, losses, peaks, idles, redos = [], [], [], [], [], [], [], []
-        paces, block = [], block_stat_path(Path(args.swap))
+        paces = []
         for i, micro in enumerate(toks):
             r0, w0 = _io_counters()
             dev0 = block_counters(block)
@@ -570,12 +627,18 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None, dd:
         res.update(status="skipped", reason=f"needs ~{need / GiB:.1f} GiB on disk, {free / GiB:.1f} free "
                                             f"(keeping {args.min_free_gib} GiB)")
         return res
+    if args.settle_max_s > 0:  # the previous row's files (or dd's) were just written and removed
+        block = block_stat_path(parent)
+        res["settle"] = {"row": settle(lambda: write_counters(block), args.settle_quiet_s, args.settle_max_s),
+                         "steps": None}
     swap = Path(tempfile.mkdtemp(prefix=f"{name}-{model}-", dir=parent))
     result = swap.parent / f"{swap.name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", model,
            "--swap", str(swap), "--result", str(result), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--clipping", str(clipping),
-           "--accumulation", str(args.accumulation), "--sub-group", str(args.sub_group)] + (["--budget-gib", str(budget)] if budget else [])
+           "--accumulation", str(args.accumulation), "--sub-group", str(args.sub_group),
+           "--settle-quiet-s", str(args.settle_quiet_s), "--settle-max-s", str(args.settle_max_s)]
+    cmd += ["--budget-gib", str(budget)] if budget else []
     cmd += ["--weights-in-ram"] if ROWS[name][1] == "weights" else []
     cmd += ["--delayed"] if _base(name).endswith("-dpu") else []
     sib = _steps_in_backward(name)
@@ -602,6 +665,8 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None, dd:
     rec = json.loads(result.read_text()) if result.exists() else {}
     result.unlink(missing_ok=True)
     res["status"] = rec.get("status", "error")
+    if "settle" in res:
+        res["settle"]["steps"] = rec.get("settle")
     if res["status"] != "ok" or rc != 0:
         res["status"] = res["status"] if res["status"] != "ok" else "error"
         res["reason"] = rec.get("reason") or f"exit {rc}; see {log}"
@@ -664,7 +729,20 @@ def _note(r: dict) -> str:
         rest = st["median_unstalled_s"]
         parts.append(f"disk stalled in {len(st['steps'])} of {len(r['disk_pace'])} steps (< "
                      f"{st['floor_gb_s']:.2f} GB/s busy)" + (f", the others {rest:.2f} s" if rest else ""))
+    parts += [note] if (note := _settle_note(r.get("settle"))) else []
     return "; ".join(parts)
+
+
+def _settle_note(s: dict | None) -> str | None:
+    """How long the disk took to settle before the row and before its timed steps; None when
+    settling was off (--settle-max-s 0)."""
+    if s is None:
+        return None
+    waits = [(when, w) for when, w in (("before the row", s["row"]), ("before the steps", s["steps"])) if w]
+    if not waits:
+        return "disk not settled: no block device under the swap folder"
+    return "disk " + ", ".join(("settled" if w["settled"] else "still busy after")
+                               + f" {w['waited_s']:.0f} s {when}" for when, w in waits)
 
 
 def report(results: list[dict]) -> str:

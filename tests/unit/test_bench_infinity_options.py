@@ -68,7 +68,9 @@ def test_budgeted_rows_pass_a_host_budget_and_nothing_else(row):
 
 
 @pytest.mark.parametrize("argv,word", [(["--clipping", "-1"], "--clipping"),
-                                       (["--accumulation", "0"], "--accumulation")])
+                                       (["--accumulation", "0"], "--accumulation"),
+                                       (["--settle-quiet-s", "-1"], "--settle-quiet-s"),
+                                       (["--settle-max-s", "-5"], "--settle-max-s")])
 def test_bad_values_are_refused_naming_the_option(argv, word, capsys):
     with pytest.raises(SystemExit):
         B.parse_args(argv)
@@ -189,3 +191,70 @@ def test_a_hand_row_named_in_rows_too_runs_once():
     assert B.row_list(args) == ["ds-inf", "hand-x", "zk-inf"]
     args = B.parse_args(["--rows", "ds-inf", "--hand", 'x={"aio": {"queue_depth": 32}}'])
     assert B.row_list(args) == ["ds-inf", "hand-x"]
+
+
+class FakeDisk:
+    """A clock that moves only when slept on, and a disk whose sectors-written counter grows by 8 at
+    each of `writes_at` (seconds) and that has a request in flight until `in_flight_until`."""
+
+    def __init__(self, writes_at=(), in_flight_until=0.0):
+        self.t, self.writes_at, self.in_flight_until = 0.0, writes_at, in_flight_until
+
+    def clock(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+    def sample(self):
+        return 8 * sum(w <= self.t for w in self.writes_at), int(self.t < self.in_flight_until)
+
+    def settle(self, quiet_s=10, max_s=120):
+        return B.settle(self.sample, quiet_s, max_s, clock=self.clock, sleep=self.sleep)
+
+
+def _no_disk():
+    raise AssertionError("sampled or slept with settling off")
+
+
+def test_the_settle_ends_after_quiet_s_without_writes():
+    assert FakeDisk().settle() == {"waited_s": 10.0, "settled": True}
+    assert FakeDisk(writes_at=[-50.0]).settle(quiet_s=4) == {"waited_s": 4.0, "settled": True}
+    args = B.parse_args([])
+    assert args.settle_quiet_s == 10 and args.settle_max_s == 120
+    worker = B.parse_args(["--worker", "zk-inf", "--settle-quiet-s", "5", "--settle-max-s", "0"])
+    assert worker.settle_quiet_s == 5 and worker.settle_max_s == 0
+
+
+def test_a_write_or_a_request_in_flight_restarts_the_quiet_clock():
+    # writes at 3, 7.5 and 15 s: quiet from 15 s on, settled at 25
+    assert FakeDisk(writes_at=[3.0, 7.5, 15.0]).settle() == {"waited_s": 25.0, "settled": True}
+    # no writes, but a request in flight until 30 s (seen at 29): settled at 39
+    assert FakeDisk(in_flight_until=30.0).settle() == {"waited_s": 39.0, "settled": True}
+
+
+def test_the_settle_gives_up_at_max_s_and_the_note_says_so():
+    busy = FakeDisk(writes_at=[5.0 * i for i in range(1, 100)])  # a write every 5 s
+    wait = busy.settle(quiet_s=10, max_s=120)
+    assert wait == {"waited_s": 120.0, "settled": False}
+    row = {"budget_gib": None, "row": "zk-inf", "clipping": 1.0, "accumulation": 1,
+           "settle": {"row": wait, "steps": {"waited_s": 34.2, "settled": True}}}
+    assert B._note(row).endswith("disk still busy after 120 s before the row, settled 34 s before the steps")
+
+
+def test_max_0_does_not_wait():
+    assert B.settle(_no_disk, 10, 0, clock=_no_disk, sleep=_no_disk) is None
+    row = {"budget_gib": None, "row": "zk-inf", "clipping": 1.0, "accumulation": 1}  # no "settle": off
+    assert "disk" not in B._note(row)
+
+
+def test_no_block_device_no_wait_and_the_note_says_so_once(tmp_path):
+    assert B.write_counters(None) is None
+    assert B.settle(lambda: B.write_counters(None), 10, 120, clock=_no_disk, sleep=_no_disk) is None
+    row = {"budget_gib": None, "row": "zk-inf", "clipping": 1.0, "accumulation": 1,
+           "settle": {"row": None, "steps": None}}
+    assert B._note(row).count("no block device") == 1
+    path = B.block_stat_path(tmp_path)  # a real disk's counters, where the tests run on one
+    if path is not None:
+        written, in_flight = B.write_counters(path)
+        assert written >= 0 and in_flight >= 0
