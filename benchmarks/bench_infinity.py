@@ -57,7 +57,7 @@ written) and the first warm-up step. This VM's disk is slow for minutes after a 
 (docs/nvme.md): rows started straight after one meet it in different states, and their ratios
 are noise.
 The wait polls the disk's own counters and ends once it has written nothing and had nothing in
-flight for --settle-quiet-s seconds in a row (default 10), or after --settle-max-s (default 120;
+flight for --settle-quiet-s seconds in a row (default 30), or after --settle-max-s (default 120;
 0: no wait); the row's note gives the seconds waited, and says where the swap folder has no block
 device to watch (tmpfs).
 The budgeted rows (zk-inf-ds, zk-inf-half, zk-inf-8g, zk-inf-4g, and the -dpu and -clip variants) pass
@@ -166,9 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-free-gib", type=float, default=10.0,
                    help="refuse a row whose expected disk use leaves less free (default 10)")
     p.add_argument("--row-timeout", type=float, default=3600.0)
-    p.add_argument("--settle-quiet-s", type=float, default=10.0,
+    p.add_argument("--settle-quiet-s", type=float, default=30.0,
                    help="before a row and before its timed steps, wait until the disk has written "
-                        "nothing for this long (default 10)")
+                        "nothing for this long (default 30)")
     p.add_argument("--settle-max-s", type=float, default=120.0,
                    help="but wait no longer than this (default 120; 0: no wait)")
     p.add_argument("--hand", action="append", default=[], metavar="LABEL=JSON",

@@ -20,6 +20,8 @@ from harness import run_world
 from reference import engine_train, global_batches, resume_train, tiny_gpt
 from fast_tier import slow_except
 
+from zerokit.parts.nvme import GRAD_CHUNK_BYTES
+
 STEPS, MICRO = 3, 2
 
 
@@ -263,7 +265,9 @@ def _train_accumulating(rank, world, cfg, gas):
     out = {"losses": losses, "weights": engine.consolidated_fp32_state_dict(),
            "host_grads": engine.ledger.bytes(tier="host", kind="grads"),
            "nvme_grads": engine.ledger.bytes(tier="nvme", kind="grads"),
-           "nvme_numel": sum(u.layout.nvme_numel for u in engine.units)}
+           "nvme_numel": sum(u.layout.nvme_numel for u in engine.units),
+           "read_ahead": dict(engine.nvme_tier.read_ahead.stats) if engine.nvme_tier else None,
+           "read_ahead_limit": engine.nvme_tier.read_ahead.limit if engine.nvme_tier else None}
     engine.destroy()
     return out
 
@@ -272,13 +276,21 @@ def _train_accumulating(rank, world, cfg, gas):
 @pytest.mark.parametrize("stage,dtype,gas", [(1, "fp32", 2), (2, "bf16", 2), (3, "fp32", 3)])
 def test_gradients_on_nvme_accumulate_like_cpu_offload(tmp_path, stage, dtype, gas):
     """The nvme part's gradient lives in its file ([Note: gradients on NVMe]): none in host
-    memory, and accumulated over micro-steps (read, add, write) to cpu offload's weights."""
+    memory, and accumulated over micro-steps (read, add, write) to cpu offload's weights; from
+    the second step on, the earlier sums are read ahead at stages 2 and 3 ([Note: gradient
+    read-ahead]; stage 1 sums the micro-steps on the device)."""
     cpu = run_world(_train_accumulating, 2, _config(stage, dtype, "SGD", "cpu", None, clip=0.0), gas)
     nvme = run_world(_train_accumulating, 2, _config(stage, dtype, "SGD", "nvme", str(tmp_path), clip=0.0), gas)
     for r in range(2):
         assert nvme[r]["host_grads"] == 0 and nvme[r]["nvme_grads"] == 4 * nvme[r]["nvme_numel"] > 0
         assert nvme[r]["losses"] == cpu[r]["losses"]
         _exact(nvme[r]["weights"], cpu[r]["weights"])
+        if stage == 1:  # the micro-steps sum on the device; the boundary's reduction writes once
+            assert nvme[r]["read_ahead"] == {"ahead": 0, "now": 0}
+            assert nvme[r]["read_ahead_limit"] == 0
+        else:
+            assert nvme[r]["read_ahead_limit"] == GRAD_CHUNK_BYTES  # initialize sized it: one chunk here
+            assert nvme[r]["read_ahead"]["ahead"] > nvme[r]["read_ahead"]["now"] > 0, nvme[r]["read_ahead"]
 
 
 def _train_ledger(rank, world, cfg):

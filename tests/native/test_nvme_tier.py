@@ -225,6 +225,62 @@ def test_file_gradient_accumulates_zero_fills_and_norms_like_a_tensor(tier, monk
     assert grad.sq_norm() == 10.0
 
 
+def test_accumulation_reads_the_earlier_sums_ahead_in_last_rounds_order(tier, monkeypatch):
+    """[Note: gradient read-ahead]: three files, two chunks each, three micro-steps over two
+    steps. From the second round on, every chunk but the round's first is served by a read
+    issued before its piece arrived, within the read-ahead limit; the sums equal the tensors'.
+    A file cleared and written again after its chunks were read ahead sums what it holds."""
+    from zerokit.parts import nvme as nvme_part
+    from zerokit.parts.nvme import FileGradient, read_range
+
+    n = 2048  # two chunks of 4 KiB per file
+    monkeypatch.setattr(nvme_part, "GRAD_CHUNK_BYTES", 4096)
+    tier.read_ahead.limit = 3 * 4096
+    files = [tier.allocate(f"u{i}/grad", "grads", n, torch.float32) for i in range(3)]
+    grads = [FileGradient(tier, r) for r in files]
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        want = [torch.zeros(n) for _ in files]
+        for micro in range(3):
+            before = dict(tier.read_ahead.stats)
+            for i in (2, 1, 0):  # backward: the last unit first
+                piece = torch.randn(n, generator=g)
+                grads[i].add(piece, 0)
+                want[i] += piece
+                assert tier.read_ahead.bytes_ahead <= 3 * 4096
+            got = {k: tier.read_ahead.stats[k] - before[k] for k in before}
+            if micro == 0:
+                assert got == {"ahead": 0, "now": 0}  # first writes: nothing to read
+            elif (step, micro) == (0, 1):
+                assert got == {"ahead": 0, "now": 6}  # no earlier round to follow
+            else:
+                assert got == {"ahead": 5, "now": 1}, (step, micro, got)
+        for grad, rng, w in zip(grads, files, want):
+            assert torch.equal(read_range(tier, rng), w)
+            grad.zero_unwritten()
+            grad.clear()
+    assert tier.read_ahead.bytes_ahead == 0
+    # a file cleared and written anew after its chunks were read ahead: the reads are stale and
+    # forgotten, each sum is what the file holds
+    want = [torch.zeros(n), torch.zeros(n)]
+    for i in (0, 1, 0, 1, 0):
+        piece = torch.randn(n, generator=g)
+        grads[i].add(piece, 0)
+        want[i] += piece
+    assert tier.read_ahead.bytes_ahead == 2 * 4096  # file 1's two chunks, read ahead
+    grads[1].clear()
+    want[1] = torch.zeros(n)
+    for _ in range(2):
+        piece = torch.randn(n, generator=g)
+        grads[1].add(piece, 0)
+        want[1] += piece
+    for grad, rng, w in zip(grads, files, want):
+        grad.settle()
+        assert torch.equal(read_range(tier, rng), w)
+    tier.read_ahead.drop()
+    assert tier.ledger.bytes(TierName.HOST, "buffers") == 0
+
+
 @pytest.mark.slow
 def test_opening_while_another_rank_leaves_the_shared_directory(tmp_path):
     # A rank closing its tier removes the shared zerokit-swap directory once it is empty; a

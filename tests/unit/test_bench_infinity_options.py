@@ -221,7 +221,7 @@ def test_the_settle_ends_after_quiet_s_without_writes():
     assert FakeDisk().settle() == {"waited_s": 10.0, "settled": True}
     assert FakeDisk(writes_at=[-50.0]).settle(quiet_s=4) == {"waited_s": 4.0, "settled": True}
     args = B.parse_args([])
-    assert args.settle_quiet_s == 10 and args.settle_max_s == 120
+    assert args.settle_quiet_s == 30 and args.settle_max_s == 120
     worker = B.parse_args(["--worker", "zk-inf", "--settle-quiet-s", "5", "--settle-max-s", "0"])
     assert worker.settle_quiet_s == 5 and worker.settle_max_s == 0
 

@@ -341,3 +341,32 @@ def test_the_plan_counts_the_gradient_writes_only_where_a_part_has_a_gradient_fi
     finally:
         byte_plan.gradient_write_bytes = original
     assert buffers - without == files
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_the_gradient_window_holds_the_largest_file_and_accumulation_reads_as_much_ahead(accumulation):
+    """byte_plan.gradient_file_io: the tier's write window holds the largest part's gradient
+    file (a unit's pieces write while backward computes the next), at least
+    WRITES_IN_FLIGHT_BYTES; with accumulation as many bytes are read ahead ([Note: gradient
+    read-ahead]); the host need counts both."""
+    import dataclasses
+
+    from zerokit.engine import byte_plan
+    from zerokit.engine.planner import _layouts, _placement, _resolved
+    from zerokit.parts.nvme import GRAD_CHUNK_BYTES
+    from zerokit.tiers.nvme import WRITES_IN_FLIGHT_BYTES
+
+    cfg = _cfg()
+    big = GPTConfig(vocab_size=24000, block_size=16, n_layer=1, n_head=4, n_embd=1024, bias=False)
+    inputs = dataclasses.replace(_inputs(cfg, 1 << 34, model=tiny_gpt(cfg=big)), accumulation=accumulation)
+    c = _resolved(cfg, planner.Choice("none", 0, 5, "nvme", 1.0, 0, 4, False), "/swap")
+    placement = _placement(inputs, c)
+    layouts = _layouts(inputs, placement)
+    largest = max(lay.record("nvme_grad0").nbytes for lay in layouts if lay.has("nvme_grad0"))
+    assert largest > WRITES_IN_FLIGHT_BYTES  # the embedding's 24000 x 1024 fp32 gradient
+    io = byte_plan.gradient_file_io(layouts)
+    assert io.write_window == -(-largest // GRAD_CHUNK_BYTES) * GRAD_CHUNK_BYTES
+    assert io.read_ahead == (io.write_window if accumulation > 1 else 0)
+    every = sum(-(-lay.record("nvme_grad0").nbytes // 4096) * 4096 for lay in layouts)
+    assert byte_plan.gradient_write_bytes(layouts) == (
+        min(io.write_window + GRAD_CHUNK_BYTES, every) + min(io.read_ahead, every))

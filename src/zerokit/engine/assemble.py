@@ -24,8 +24,8 @@ from zerokit.engine.engine import Engine
 from zerokit.parts.executors import DeviceExecutor, HostExecutor
 from zerokit.engine import bf16_state, host_budget, nvme_plan, planner, planner_at_init
 from zerokit.parts.nvme_executor import NvmeExecutor
-from zerokit.engine.byte_plan import (gradient_write_bytes, plan_layouts, planned_host_need,
-                                     reduce_buffer_bytes, stream_settings)
+from zerokit.engine.byte_plan import (gradient_file_io, gradient_write_bytes, plan_layouts,
+                                     planned_host_need, reduce_buffer_bytes, stream_settings)
 from zerokit.optim.recipe import build_optimizer, recipe_from
 from zerokit.engine.precision import compute_dtype, reduce_dtype
 from zerokit.engine.lr_schedules import build_scheduler
@@ -111,6 +111,9 @@ def initialize(model: nn.Module, optimizer: Any = None,
     # one tier (one I/O engine, one count) whose weight shards go to offload_param's path
     nvme = NvmeTier(ledger, on_nvme[0], rank=comm.rank, config=cfg.aio.engine_config(),
                     weights_directory=on_nvme[-1]) if on_nvme else None
+    gradient_io = gradient_file_io(layouts)
+    if nvme is not None and gradient_io is not None:
+        gradient_io.apply(nvme)
     units = []
     gathered: list[Unit] = []  # construction units gathered for a unit, some parameters not yet laid out
     for (name, module, group, trainable, params), layout in zip(groups, layouts):

@@ -11,10 +11,13 @@ planner (engine/planner.py) all read ([Note: the estimator's byte rules] in memo
   state of each part, the second file slot of a speculative step, and the host need above);
 - `reduce_buffer_bytes`: the gradient buffers of the reductions in flight (one unit's at world
   1, where each completes as it is launched; the same under every placement);
-- `gradient_write_bytes`: the host buffers of the gradient pieces on their way to NVMe files.
+- `gradient_file_io` / `gradient_write_bytes`: the host buffers of the gradient pieces on their
+  way to and from NVMe files (the tier's write window and read-ahead, sized here).
 Pure functions: nothing here allocates.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -84,18 +87,47 @@ def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
     return need
 
 
-def gradient_write_bytes(layouts: list[UnitLayout]) -> int:
-    """The host buffers of the gradient pieces on their way to NVMe files (parts/nvme.py
-    FileGradient): the tier's write window and the chunk being filled, or all of a step's
-    gradient bytes where they are fewer (each piece at least one buffer, rounded up to ALIGN);
-    none where no part has a gradient file (no nvme part, or stepped in backward: held in
-    memory)."""
+@dataclass(frozen=True)
+class GradientFileIO:
+    """The host bytes the gradient pieces bound for NVMe files keep in flight (parts/nvme.py
+    FileGradient, [Note: gradients on NVMe]): `write_window`, the tier's WriteWindow, and
+    `read_ahead`, the tier's ReadAhead ([Note: gradient read-ahead] in tiers/read_ahead.py)."""
+
+    write_window: int = WRITES_IN_FLIGHT_BYTES
+    read_ahead: int = 0
+
+    def apply(self, nvme) -> None:
+        nvme.write_window.limit = self.write_window
+        nvme.read_ahead.limit = self.read_ahead
+
+
+def gradient_file_io(layouts: list[UnitLayout]) -> GradientFileIO | None:
+    """The write window holds the largest part's gradient file (chunks of GRAD_CHUNK_BYTES),
+    at least WRITES_IN_FLIGHT_BYTES: a unit's pieces then write while backward computes the next
+    units (with a window of 64 MiB, each 160-260 MB unit of a 1B model waited for most of its
+    own writes). With accumulation the earlier micro-steps' sums are read as much ahead. None
+    where no part has a gradient file (no nvme part, or stepped in backward: held in memory)."""
     files = [lay.record("nvme_grad0") for lay in layouts if lay.has("nvme_grad0")]
     if not files:
+        return None
+    element = torch.empty(0, dtype=files[0].dtype).element_size()
+    largest = -(-max(r.numel for r in files) * element // GRAD_CHUNK_BYTES) * GRAD_CHUNK_BYTES
+    accumulating = max(lay.reductions_per_step for lay in layouts) > 1
+    return GradientFileIO(max(WRITES_IN_FLIGHT_BYTES, largest), largest if accumulating else 0)
+
+
+def gradient_write_bytes(layouts: list[UnitLayout]) -> int:
+    """The host buffers of the gradient pieces on their way to and from NVMe files: the write
+    window and the chunk being filled, or all of a step's gradient bytes where they are fewer
+    (each piece at least one buffer, rounded up to ALIGN), and the read-ahead; none where no
+    part has a gradient file."""
+    io = gradient_file_io(layouts)
+    if io is None:
         return 0
+    files = [lay.record("nvme_grad0") for lay in layouts if lay.has("nvme_grad0")]
     element = torch.empty(0, dtype=files[0].dtype).element_size()
     every = sum(-(-r.numel * element // ALIGN) * ALIGN for r in files)
-    return min(WRITES_IN_FLIGHT_BYTES + GRAD_CHUNK_BYTES, every)
+    return min(io.write_window + GRAD_CHUNK_BYTES, every) + min(io.read_ahead, every)
 
 
 def planned_bytes(cfg, placement: PlacementPolicy, layouts: list[UnitLayout],

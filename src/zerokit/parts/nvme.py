@@ -43,10 +43,6 @@ def fill_range(nvme: NvmeTier, rng: FileRange, values: torch.Tensor | float) -> 
     nvme.write(rng, buf).wait()
 
 
-def _nothing() -> None:
-    pass
-
-
 # Gradient pieces are copied out of the reduction's buckets into scratch buffers of at most
 # this size, written in the tier's write window (tiers/nvme.py WRITES_IN_FLIGHT_BYTES).
 GRAD_CHUNK_BYTES = 32 << 20
@@ -57,67 +53,92 @@ class FileGradient:
     reduced pieces arrive.
 
     [Note: gradients on NVMe]
-    A piece is copied out of the reduction's bucket into a host buffer and written
-    asynchronously (at most WRITES_IN_FLIGHT_BYTES in flight over every file of the tier: its
-    WriteWindow). The file is not zeroed after a step: `clear()` forgets what was written, a
-    piece landing on elements already written since (gradient accumulation) is read, the piece
-    added to it (in the file's dtype, as the host part adds into its gradient buffer: bf16 sums
-    round alike) and written back, and elements no piece reached are written as zeros before the
-    step reads them (`zero_unwritten`). The sum of squares is taken from each piece as it is
-    written (float64), so the norm costs no second read; only after an accumulation that re-cut
-    earlier pieces is the file read to recompute it.
+    A piece is copied out of the reduction's bucket into host buffers of at most
+    GRAD_CHUNK_BYTES and written asynchronously in the tier's write window (its WriteWindow,
+    which initialize sizes to hold the largest part's gradient: a unit's writes then run while
+    backward computes the next units). The file is not zeroed after a step: `clear()` forgets
+    what was written, a piece landing on elements already written since (gradient accumulation)
+    is read, a chunk at a time (through the tier's ReadAhead: read before the piece arrives, see
+    [Note: gradient read-ahead] in tiers/read_ahead.py), the piece added to it (in the file's
+    dtype, as the host part adds into its gradient buffer: bf16 sums round alike) and written
+    back, and elements no piece reached are written as zeros before the step reads them
+    (`zero_unwritten`). The sum of squares is taken from each chunk as it is written (float64),
+    so the norm costs no second read; only after an accumulation that re-cut earlier pieces is
+    the file read to recompute it.
     """
 
     def __init__(self, nvme: NvmeTier, rng: FileRange):
         self.nvme, self.range = nvme, rng
-        # this file's writes in flight (the tier's window bounds all files' together)
-        self._writes: list = []
+        # this file's writes in flight, [lo, hi) each (the tier's window bounds all files' together)
+        self._writes: list[tuple[int, int, object]] = []
         self._written: dict[tuple[int, int], float] = {}  # [lo, hi) since clear -> sum of squares
         self._exact = True  # the sums above cover exactly what the file holds
 
     def add(self, piece: torch.Tensor, offset: int) -> None:
         lo, hi = offset, offset + piece.numel()
-        overlapped = [r for r in self._written if r[0] < hi and lo < r[1]]
-        if overlapped:  # accumulation: the earlier value of these elements, plus this piece
-            self.settle()
-            buf = read_range(self.nvme, self.range.narrow(lo, hi - lo))
-            for gap_lo, gap_hi in uncovered(lo, hi, overlapped):  # never written since clear: zero
-                buf[gap_lo - lo:gap_hi - lo] = 0.0
-            buf.add_(piece.to("cpu"))  # earlier + piece, rounded once to the file's dtype
-            for a, b in overlapped:  # what lies outside this piece stays written
-                del self._written[(a, b)]
-                for rest in ((a, lo), (hi, b)):
-                    if rest[0] < rest[1]:
-                        self._written[rest] = 0.0  # its share of the sum is unknown now
-                        self._exact = False
-            self._written[(lo, hi)] = host_kernels.grad_sq_norm(buf)[0]  # the host part's kernel
-            self._write(lo, buf, _nothing)
-            return
         # Through scratch buffers of at most GRAD_CHUNK_BYTES (see [Note: scratch buffers]): the
         # cache then holds a few buffers of that size, not one per size of piece.
         chunk = max(1, GRAD_CHUNK_BYTES // torch.empty(0, dtype=self.range.dtype).element_size())
+        # accumulation: the earlier value of these elements, plus this piece
+        overlapped = [r for r in self._written if r[0] < hi and lo < r[1]]
+        gaps = uncovered(lo, hi, overlapped) if overlapped else []  # never written since clear: zero
         sq = 0.0
         for a in range(lo, hi, chunk):
             b = min(hi, a + chunk)
-            buf, give_back = self.nvme.ledger.scratch.take("buffers", b - a, self.range.dtype,
-                                                           TierName.HOST)
-            buf.copy_(piece[a - lo:b - lo])
-            sq += host_kernels.grad_sq_norm(buf)[0]
+            if overlapped:
+                self._settle(a, b)  # an earlier micro-step's write of these elements has ended
+                buf, give_back = self.nvme.read_ahead.read(self.range.narrow(a, b - a), self._readable)
+                for gap_lo, gap_hi in gaps:
+                    if gap_lo < b and a < gap_hi:
+                        buf[max(gap_lo, a) - a:min(gap_hi, b) - a] = 0.0
+                buf.add_(piece[a - lo:b - lo].to("cpu"))  # earlier + piece, rounded once to the file's dtype
+            else:
+                buf, give_back = self.nvme.ledger.scratch.take("buffers", b - a, self.range.dtype,
+                                                               TierName.HOST)
+                buf.copy_(piece[a - lo:b - lo])
+            sq += host_kernels.grad_sq_norm(buf)[0]  # the host part's kernel
             self._write(a, buf, give_back)
+        # (after the chunks: until then the read-ahead sees the earlier sums as written)
+        for a, b in overlapped:  # what lies outside this piece stays written
+            del self._written[(a, b)]
+            for rest in ((a, lo), (hi, b)):
+                if rest[0] < rest[1]:
+                    self._written[rest] = 0.0  # its share of the sum is unknown now
+                    self._exact = False
         self._written[(lo, hi)] = sq
+
+    def _readable(self, rng: FileRange) -> bool:
+        """Whether the tier may read `rng` (a range of this file) ahead: it holds an earlier
+        micro-step's sum (its writes ended first)."""
+        a = (rng.offset - self.range.offset) // rng.element_size
+        b = a + rng.numel
+        if not any(lo < b and a < hi for lo, hi in self._written):
+            return False
+        self._settle(a, b)
+        return True
 
     def _write(self, lo: int, buf: torch.Tensor, give_back: Callable[[], None]) -> None:
         """File elements [lo, lo + len(buf)) <- buf, asynchronously, in the tier's write window
-        (tiers/nvme.py WriteWindow: at most WRITES_IN_FLIGHT_BYTES in flight over every file;
-        buf is given back once written)."""
-        handle = self.nvme.write(self.range.narrow(lo, buf.numel()), buf)
-        self._writes.append(self.nvme.write_window.add(handle, buf.numel() * buf.element_size(),
-                                                       give_back))
+        (tiers/nvme.py WriteWindow: a bounded number of bytes in flight over every file; buf is
+        given back once written)."""
+        rng = self.range.narrow(lo, buf.numel())
+        self.nvme.read_ahead.forget(rng)
+        handle = self.nvme.write(rng, buf)
+        self._writes.append((lo, lo + buf.numel(), self.nvme.write_window.add(
+            handle, buf.numel() * buf.element_size(), give_back)))
+
+    def _settle(self, lo: int, hi: int) -> None:
+        """This file's writes of elements in [lo, hi) have ended (only those are waited for:
+        the ones just issued for other elements stay in flight)."""
+        mine = [w for w in self._writes if w[0] < hi and lo < w[1]]
+        if mine:
+            self._writes = [w for w in self._writes if not (w[0] < hi and lo < w[1])]
+            wait_all([w for _, _, w in mine])
 
     def settle(self) -> None:
         """Every write in flight has ended (the first failure raised after all of them)."""
         writes, self._writes = self._writes, []
-        wait_all(writes)  # each gives its buffer back, failed or not
+        wait_all([w for _, _, w in writes])  # each gives its buffer back, failed or not
 
     def sq_norm(self) -> float:
         self.settle()
@@ -131,12 +152,14 @@ class FileGradient:
     def zero_unwritten(self) -> None:
         """Elements no piece reached since `clear` hold a stale gradient: write zeros there."""
         for lo, hi in uncovered(0, self.range.numel, list(self._written)):
+            self.nvme.read_ahead.forget(self.range.narrow(lo, hi - lo))
             fill_range(self.nvme, self.range.narrow(lo, hi - lo), 0.0)
             self._written[(lo, hi)] = 0.0
         self.settle()
 
     def clear(self) -> None:
         self.settle()
+        self.nvme.read_ahead.forget(self.range)
         self._written = {}
         self._exact = True
 

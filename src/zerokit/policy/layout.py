@@ -101,6 +101,8 @@ class UnitLayout:
     opt_range: tuple[int, int]
     parts: tuple[OptimizerPart, ...]      # host part (if any) first, then the device part
     records: tuple[BufferRecord, ...]     # in allocation order: a record's alias comes before it
+    reductions_per_step: int = 1          # micro-steps whose gradients leave the unit: each, when
+                                          # shard_gradients (the files' read-add-write), else 1
 
     def has(self, name: str) -> bool:
         return any(r.name == name for r in self.records)
@@ -167,6 +169,7 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     left: a shard that fits stays in host memory, else it is a file.
     """
     padded, shard_numel, own, (a, b) = geometry(numel, world, rank, partition.shard_optimizer)
+    reductions = grad_accum_steps if partition.shard_gradients else 1
     fp32 = compute_dtype == torch.float32
     f32 = torch.float32
     pin_params = placement.param_pin_memory and cuda and torch.cuda.is_available()
@@ -182,7 +185,7 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
                                         lo, hi, pinned=pin_params, transient=True))
     home = "shard" if partition.shard_weights else "weights"  # where the weights persist
     if not trainable:
-        return UnitLayout(numel, padded, shard_numel, own, (a, b), (), tuple(records))
+        return UnitLayout(numel, padded, shard_numel, own, (a, b), (), tuple(records), reductions)
 
     k = placement.host_numel(b - a) if placement.offloads else 0
     h = placement.ram_split(k, ram_left)  # [a, a + h) in host memory, [a + h, a + k) on NVMe
@@ -213,7 +216,7 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     if k > h:
         records += _nvme_part_records(placement, partition, compute_dtype, a + h, a + k, cuda,
                                       shard_tier)
-    return UnitLayout(numel, padded, shard_numel, own, (a, b), parts, tuple(records))
+    return UnitLayout(numel, padded, shard_numel, own, (a, b), parts, tuple(records), reductions)
 
 
 def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,

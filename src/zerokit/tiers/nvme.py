@@ -47,6 +47,7 @@ from zerokit.io.buffers import BufferPool
 from zerokit.io.file_range import FileRange  # noqa: F401 (re-exported: the tier's allocations)
 from zerokit.io.stream import CompletedWrite, read_chunks, write_chunks
 from zerokit.io.swap_directory import SWAP_DIR, SwapDirectory  # noqa: F401 (SWAP_DIR: re-exported)
+from zerokit.tiers.read_ahead import ReadAhead
 from zerokit.tiers.ledger import Ledger
 from zerokit.tier_names import TierName
 
@@ -243,7 +244,10 @@ class NvmeTier:
         self.directories = [c.path for c in self._claims]
         self.stale_files = [f for c in self._claims for f in c.stale_files]
         self.stats = IOStats(self.aio.idle_s)
-        self.write_window = WriteWindow()  # the gradient pieces' writes (parts/nvme.py)
+        # the gradient pieces' writes and, with accumulation, the reads of their earlier sums
+        # (parts/nvme.py FileGradient); initialize sizes both (engine/byte_plan.py gradient_file_io)
+        self.write_window = WriteWindow()
+        self.read_ahead = ReadAhead(self)
         self._ranges: dict[str, FileRange] = {}
         self._lock = threading.Lock()  # allocate / free from several threads (a swapper's callbacks)
         self._closed = False
@@ -365,6 +369,7 @@ class NvmeTier:
             return
         self._closed = True
         try:
+            self.read_ahead.drop()
             self.aio.close()
         except AioError as e:
             # I/O into files about to be deleted: whatever failed is lost with them, and a step
