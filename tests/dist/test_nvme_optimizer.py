@@ -293,6 +293,24 @@ def test_gradients_on_nvme_accumulate_like_cpu_offload(tmp_path, stage, dtype, g
             assert nvme[r]["read_ahead"]["ahead"] > nvme[r]["read_ahead"]["now"] > 0, nvme[r]["read_ahead"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,dtype,gas,clip", [(2, "fp32", 1, 0.0), (3, "bf16", 3, 1.0), (1, "fp32", 2, 0.0)])
+def test_nvme_gradients_held_in_host_memory_step_like_cpu_offload(tmp_path, stage, dtype, gas, clip):
+    """offload_optimizer.nvme_gradients 'host': the nvme part's gradients wait for the step in
+    host memory (counted as host grads, 4 B per nvme element), no gradient file, nothing read
+    back; the weights equal cpu offload's bit for bit, with accumulation and with clipping that
+    applies (the scale-sensitive update)."""
+    cpu = run_world(_train_accumulating, 2, _config(stage, dtype, "SGD", "cpu", None, clip=clip), gas)
+    nvme = run_world(_train_accumulating, 2, _config(stage, dtype, "SGD", "nvme", str(tmp_path), clip=clip,
+                                                     extra={"nvme_gradients": "host"}), gas)
+    for r in range(2):
+        assert nvme[r]["nvme_grads"] == 0
+        assert nvme[r]["host_grads"] == 4 * nvme[r]["nvme_numel"] > 0
+        assert nvme[r]["read_ahead"] == {"ahead": 0, "now": 0} and nvme[r]["read_ahead_limit"] == 0
+        assert nvme[r]["losses"] == cpu[r]["losses"]
+        _exact(nvme[r]["weights"], cpu[r]["weights"])
+
+
 def _train_ledger(rank, world, cfg):
     import zerokit
 

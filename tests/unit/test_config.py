@@ -234,3 +234,31 @@ def test_the_nvme_stream_pipelines_unless_the_config_says_not_to() -> None:
     assert (default.pipeline_read, default.pipeline_write, default.read_ahead) == (True, True, 2)
     serial = settings(pipeline_read=False, pipeline_write=False)
     assert (serial.pipeline_read, serial.pipeline_write, serial.read_ahead) == (False, False, 0)
+
+
+def test_nvme_gradients_says_where_the_nvme_parts_gradients_wait() -> None:
+    """offload_optimizer.nvme_gradients (zerokit): 'file' (DeepSpeed's swapped gradients) or
+    'host' (held in RAM: no gradient file, the stream reads none); 'auto' holds them only while
+    stepping in backward; 'host' with the delayed update is refused, naming both keys."""
+    from zerokit.engine.byte_plan import stream_settings
+    from zerokit.policy import PlacementPolicy
+
+    def placement(**keys):
+        off = {"device": "nvme", "nvme_path": "/tmp", "step_in_backward": False, **keys}
+        cfg = load_config({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": off}})
+        p = PlacementPolicy.from_config(cfg.zero_optimization)
+        return p, stream_settings(cfg, p)
+
+    for keys, held in (({}, False), ({"nvme_gradients": "file"}, False),
+                       ({"nvme_gradients": "host"}, True), ({"step_in_backward": True}, True)):
+        p, settings = placement(**keys)
+        assert p.holds_nvme_gradients == held and settings.gradients_in_files == (not held), keys
+        assert ("gradient + optimizer state" in p.describe()) == (not held), p.describe()
+    assert "nvme_gradients 'host'" in placement(nvme_gradients="host")[0].describe()
+    with pytest.raises(ValueError, match=r"nvme_gradients 'host' with delayed_update"):
+        load_config({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {
+            "device": "nvme", "nvme_path": "/tmp", "nvme_gradients": "host",
+            "delayed_update": {"enabled": True}}}})
+    with pytest.raises(ValueError, match=r"nvme_gradients"):
+        load_config({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {
+            "device": "nvme", "nvme_path": "/tmp", "nvme_gradients": "disk"}}})

@@ -370,3 +370,44 @@ def test_the_gradient_window_holds_the_largest_file_and_accumulation_reads_as_mu
     every = sum(-(-lay.record("nvme_grad0").nbytes // 4096) * 4096 for lay in layouts)
     assert byte_plan.gradient_write_bytes(layouts) == (
         min(io.write_window + GRAD_CHUNK_BYTES, every) + min(io.read_ahead, every))
+
+
+def test_accumulation_holds_the_nvme_gradients_in_ram_where_the_budget_allows():
+    """offload_optimizer.nvme_gradients: in files, every micro-step after the first reads, adds
+    and writes the gradient files again (the time model counts (m - 1) x their bytes each way);
+    held in RAM they cost the master's bytes per NVMe element there and no file. At
+    accumulation 4 a budget that holds them takes them, and the config says so."""
+    import dataclasses
+
+    cfg = _cfg(zero={"offload_param": {"device": "cpu"},
+                     "offload_optimizer": {"device": "nvme", "step_in_backward": False}})
+
+    def inputs(budget, m):
+        return dataclasses.replace(_inputs(cfg, budget, process=50 << 20), accumulation=m)
+
+    def predict(m, held):
+        return planner.predict(inputs(1 << 30, m), planner.Choice("cpu", 0, 5, "nvme", 1.0, 0, 4, False,
+                                                                   held), BW)
+
+    files, held = predict(4, False), predict(4, True)
+    grads = files.bytes[NVME]["grads"]
+    assert grads > 0 and held.bytes[NVME]["grads"] == 0
+    # 4 B per NVMe element, in RAM instead (and no buffers carrying them to and from files)
+    assert held.bytes[HOST]["grads"] - files.bytes[HOST]["grads"] == grads
+    once = predict(1, False)
+    for what, rate in (("disk read", BW.disk_read), ("disk write", BW.disk_write)):
+        assert files.time_parts[what] - once.time_parts[what] == pytest.approx(3 * grads / rate)
+        assert held.time_parts[what] == pytest.approx(predict(1, True).time_parts[what])
+    assert held.seconds < files.seconds
+    plan = choose(inputs(_host_need(held) + (1 << 20), 4), BW)
+    assert plan.chosen.choice.nvme_grads_held, plan.explain()
+    assert plan.config.zero_optimization.offload_optimizer.nvme_gradients == "host"
+    assert "gradients in RAM" in plan.explain()
+    # set by hand, the key is kept
+    by_hand = _cfg(zero={"offload_param": {"device": "cpu"},
+                         "offload_optimizer": {"device": "nvme", "step_in_backward": False,
+                                               "nvme_gradients": "file"}})
+    kept = choose(dataclasses.replace(_inputs(by_hand, _host_need(files) + (1 << 20), process=50 << 20),
+                                      accumulation=4), BW)
+    assert not kept.chosen.choice.nvme_grads_held
+    assert not any(p.choice.nvme_grads_held for p in kept.considered)

@@ -131,13 +131,17 @@ def _nvme_lines(engine: "Engine", total: int) -> list[str]:
     nvme = sum(u.layout.nvme_numel for u in engine.units)
     if not nvme:
         return []
-    grads = engine.ledger.bytes(tier=TierName.NVME, kind="grads")  # none with step_in_backward
+    grads = engine.ledger.bytes(tier=TierName.NVME, kind="grads")  # none where held in RAM
     on_disk = grads + sum(engine.ledger.bytes(tier=TierName.NVME, kind=k) for k in ("master", "optimizer_state"))
     master, state = _storage_names(getattr(engine, "placement", None))
+    # an accumulation's micro-steps after the first read, add and write the gradient files again
+    again = (max(u.layout.reductions_per_step for u in engine.units) - 1) * grads
     return [f"    {nvme:,} of {total:,} optimizer elements on NVMe on rank {engine.comm.rank}: "
             f"{mib(on_disk)} in files ({master} master, {f'{master} gradient, ' if grads else ''}"
             f"{state} optimizer state); "
-            f"expected NVMe traffic per step {mib(2 * on_disk)} (each read once and written once)"]
+            f"expected NVMe traffic per step {mib(2 * (on_disk + again))} (each read once and "
+            f"written once" + (", the gradients once more each way per micro-step after the "
+                               "first)" if again else ")")]
 
 
 def _offload_param_lines(engine: "Engine", placement) -> list[str]:

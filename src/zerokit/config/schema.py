@@ -98,6 +98,16 @@ class OffloadOptimizerConfig(Section):
     fast_init: bool = Field(
         False, description="device 'nvme': both values give the same start: state files are "
                            "zero-filled when reserved, so no initializing step runs either way.")
+    nvme_gradients: Literal["auto", "file", "host"] = Field(
+        "auto", description="zerokit, device 'nvme': where the NVMe part's gradients wait for "
+                            "the step. 'file': in a file per part, written as backward reduces "
+                            "them (each micro-step of an accumulation reads, adds and writes it "
+                            "back), read by the step (DeepSpeed's swapped gradients); 'host': "
+                            "held in host memory (4 bytes per element, 2 with a bf16 master), "
+                            "so the step streams master and state only and accumulation costs "
+                            "no I/O. 'auto' (the default): held while stepping in backward, "
+                            "else 'file', or the placement planner's choice under a memory "
+                            "budget. 'host' is refused with delayed_update (it would hold two).")
     max_in_cpu: Int = Field(
         0, ge=0, description="zerokit (offload_param.max_in_cpu's precedent), device 'nvme': "
                              "optimizer elements per rank whose master, state and gradient stay "
@@ -453,6 +463,11 @@ class ZeroKitConfig(Section):
                               "after backward by design; set one of the two)")):
                 if bad:
                     raise ValueError(f"{key} true needs {why}")
+        if off.nvme_gradients == "host" and off.delayed_update.enabled:
+            raise ValueError("zero_optimization.offload_optimizer.nvme_gradients 'host' with "
+                             "delayed_update is not implemented (the delayed stream reads one "
+                             "step's gradients while backward writes the next: two held "
+                             "buffers); give 'file' or 'auto', or turn delayed_update off")
         return self
 
     def _check_bf16_state(self) -> None:

@@ -149,7 +149,8 @@ def initialize(model: nn.Module, optimizer: Any = None,
         # worker overlaps the stream), before torch
         executors.insert(-1, _nvme_executor(cfg, units, nvme, torch_optimizer, ledger, placement))
     if placement.step_in_backward:
-        _enable_speculation(executors, ledger)
+        _enable_speculation(executors)
+    _count_held_gradients(executors, ledger)
     engine = Engine(model, cfg, comm, policy, units, torch_optimizer, scheduler, ledger, batch,
                     executors)
     engine._steps_in_backward = placement.step_in_backward  # the key as resolved above
@@ -257,16 +258,25 @@ def _speculation_fits(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
     return False
 
 
-def _enable_speculation(executors: list, ledger: Ledger) -> None:
-    """step_in_backward: the kernel executors' restores and held gradients (parts/speculation.py),
-    the gradients counted in the ledger (the restores are allocated through their tiers)."""
-    kernel = [e for e in executors if isinstance(e, HostExecutor)]
-    for executor in kernel:
-        executor.enable_speculation()
-    for e in kernel:
-        for p in e.shards:  # counted when allocated (at its first piece), peak included
-            p.held.counted = functools.partial(ledger.hold_bytes, f"{p.unit.name}/held_gradient[{p.lo}]",
-                                               "grads", TierName.HOST)
+def _enable_speculation(executors: list) -> None:
+    """step_in_backward: the kernel executors' restores (parts/speculation.py; allocated through
+    their tiers, counted there)."""
+    for executor in executors:
+        if isinstance(executor, HostExecutor):
+            executor.enable_speculation()
+
+
+def _count_held_gradients(executors: list, ledger: Ledger) -> None:
+    """Gradients held in host memory (step_in_backward, or nvme_gradients 'host';
+    parts/held_gradient.py) are counted in the ledger as grads when allocated (at the first
+    piece), peak included."""
+    for e in executors:
+        if isinstance(e, HostExecutor):
+            for p in e.shards:
+                if p.held is not None:
+                    p.held.counted = functools.partial(
+                        ledger.hold_bytes, f"{p.unit.name}/held_gradient[{p.lo}]", "grads",
+                        TierName.HOST)
 
 
 def _auto_ratio(placement: PlacementPolicy, plan, device: torch.device, dtype: torch.dtype

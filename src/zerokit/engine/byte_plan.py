@@ -58,7 +58,7 @@ def stream_settings(cfg, placement: PlacementPolicy) -> StreamSettings:
     off = cfg.zero_optimization.offload_optimizer
     return StreamSettings(cfg.zero_optimization.sub_group_size, off.buffer_count,
                           off.pipeline_read, off.pipeline_write,
-                          gradients_in_files=not placement.step_in_backward,
+                          gradients_in_files=not placement.holds_nvme_gradients,
                           weights_in_files=placement.params_on_nvme)
 
 
@@ -73,6 +73,8 @@ def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
         held, need.restores, _ = host_budget.speculation_need(layouts, kind, placement.master_dtype,
                                                               placement.state_dtype)
         need.grads += held
+    elif placement.holds_nvme_gradients:  # the nvme parts' gradients (host parts': records)
+        need.grads += placement.master_dtype.itemsize * sum(lay.nvme_numel for lay in layouts)
     largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
     if largest:
         need.buffers += buffer_set_bytes(stream_settings(cfg, placement), kind, largest,

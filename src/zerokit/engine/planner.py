@@ -8,7 +8,9 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    stage-3 weights on device / cpu / nvme, the optimizer on device / cpu / nvme (nvme only where
    an nvme_path is given), the Twin-Flow ratio (1, and on a CUDA device also the ratio at which
    host and device Adam finish together, engine/auto_ratio.py `balance`), step_in_backward on
-   and off, offload_optimizer.buffer_count 4 and 3, offload_param.buffer_count 5 and 2. For each,
+   and off, offload_optimizer.buffer_count 4 and 3, offload_param.buffer_count 5 and 2, and
+   (optimizer on NVMe, stepped in step()) offload_optimizer.nvme_gradients 'file' and 'host'
+   (the gradients held in RAM: 4 bytes per element there, no gradient files). For each,
    offload_param.max_in_cpu takes five points between none and the most whole shards RAM holds,
    and offload_optimizer.max_in_cpu the most elements the host budget then holds (bisection).
 2. bytes: each candidate's model states per tier and kind are engine/byte_plan.py's rules on the
@@ -24,8 +26,10 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    (engine/bandwidths.py): device-part elements / device Adam rate, host and nvme elements /
    host Adam rate, host copies (each host or nvme weight shard copied in 2 gathers per micro-
    step; each offloaded element's gradient in and new weight out) / host copy rate, and disk
-   bytes (the nvme parts' files read and written once, engine/nvme_plan.py; the weight files
-   read per gather and written once) / disk read and write rates. Forward and backward compute
+   bytes (the nvme parts' files read and written once, engine/nvme_plan.py, and the gradient
+   files once more each way per micro-step after the first where each micro-step reduces: the
+   accumulation's read-add-write; the weight files read per gather and written once) / disk
+   read and write rates. Forward and backward compute
    is the same for every candidate and left out; overlap is not modelled (the figure is the
    serial sum), so read-ahead counts show only in bytes: between candidates within 0.5% in
    time the planner keeps fewer NVMe bytes, then the larger read-ahead, then fewer host bytes.
@@ -48,6 +52,7 @@ every offloaded element's gradient as held when stepping in backward
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +91,7 @@ class Choice:
     opt_max_in_cpu: int = 0
     opt_buffer_count: int = 4
     step_in_backward: bool = False
+    nvme_grads_held: bool = False  # offload_optimizer.nvme_gradients 'host' (without step_in_backward)
 
     def keys(self, nvme_path: str | None) -> dict[str, dict[str, Any]]:
         """The config keys this choice sets, per offload section."""
@@ -96,7 +102,8 @@ class Choice:
             opt.update(step_in_backward=False)
         if self.optimizer == "nvme":
             opt.update(max_in_cpu=self.opt_max_in_cpu, buffer_count=self.opt_buffer_count,
-                       nvme_path=nvme_path)
+                       nvme_path=nvme_path, nvme_gradients="host" if self.nvme_grads_held else
+                       "auto" if self.step_in_backward else "file")
         par: dict[str, Any] = {"device": self.param}
         if self.param == "nvme":
             par.update(max_in_cpu=self.param_max_in_cpu, buffer_count=self.param_buffer_count,
@@ -115,7 +122,8 @@ class Choice:
         if self.optimizer != "none" and self.ratio < 1.0:
             o += f" (Twin-Flow ratio {self.ratio:.2f})"
         if self.optimizer == "nvme":
-            o += f" (max_in_cpu {self.opt_max_in_cpu:,}, buffers {self.opt_buffer_count})"
+            o += f" (max_in_cpu {self.opt_max_in_cpu:,}, buffers {self.opt_buffer_count}"
+            o += ", gradients in RAM)" if self.nvme_grads_held else ")"
         if self.optimizer != "none":
             o += ", stepped in backward" if self.step_in_backward else ", stepped in step()"
         out.append(o)
@@ -228,6 +236,7 @@ class Freedom:
     opt_buffer_counts: tuple[int, ...]
     param_buffer_counts: tuple[int, ...]
     nvme_path: str | None
+    nvme_grads_held: tuple[bool, ...] = (False,)  # offload_optimizer.nvme_gradients 'host'
 
 
 def _given(cfg, section: str) -> set[str]:
@@ -260,13 +269,17 @@ def freedom(cfg) -> Freedom:
         sib = (bool(off.step_in_backward),)
     else:
         sib = (True, False)
+    if off.nvme_gradients != "auto":
+        held: tuple[bool, ...] = (off.nvme_gradients == "host",)
+    else:  # (the delayed update would hold two: files only)
+        held = (False,) if off.delayed_update.enabled else (False, True)
     return Freedom(
         params, opts, None if ratio_free else (float(off.ratio),), sib,
         None if "max_in_cpu" not in off_set else off.max_in_cpu,
         None if "max_in_cpu" not in par_set else par.max_in_cpu,
         (off.buffer_count,) if "buffer_count" in off_set else OPT_BUFFER_COUNTS,
         (par.buffer_count,) if "buffer_count" in par_set else PARAM_BUFFER_COUNTS,
-        path)
+        path, held)
 
 
 def asked(cfg, budgets: dict) -> bool:
@@ -353,10 +366,14 @@ def step_time(inputs: PlanInputs, placement: PlacementPolicy, layouts: list,
     parts = {"device Adam": dev / bw.device_adam, "host Adam": off / bw.host_adam,
              "host copies": (2 * m * shards + (master + elem) * off) / bw.host_copy}
     files = nvme_plan.nvme_need(layouts, inputs.kind, placement.state_dtype) if placement.nvme else 0
+    # gradient files: written by every micro-step that reduces, read back by each one after the
+    # first (accumulation) and by the step; nvme_need counts one write and one read
+    again = (max((lay.reductions_per_step for lay in layouts), default=1) - 1) * sum(
+        lay.bytes(TierName.NVME).get("grads", 0) for lay in layouts)
     w_read, w_write = nvme_plan.weight_traffic(layouts, m)
     if files or w_read:
-        parts["disk read"] = (files + w_read) / bw.disk_read
-        parts["disk write"] = (files + w_write) / bw.disk_write
+        parts["disk read"] = (files + again + w_read) / bw.disk_read
+        parts["disk write"] = (files + again + w_write) / bw.disk_write
     return parts
 
 
@@ -404,11 +421,14 @@ def _shapes(inputs: PlanInputs, free: Freedom, bw: Bandwidths) -> list[Choice]:
         for opt in free.optimizers:
             for ratio in (ratios if opt != "none" else (1.0,)):
                 for sib in (free.step_in_backward if opt != "none" else (False,)):
-                    for ob in (free.opt_buffer_counts if opt == "nvme" else (OPT_BUFFER_COUNTS[0],)):
-                        for pb in (free.param_buffer_counts if param == "nvme"
-                                   else (PARAM_BUFFER_COUNTS[0],)):
-                            out.append(Choice(param, free.param_max_in_cpu or 0, pb, opt, ratio,
-                                              free.opt_max_in_cpu or 0, ob, sib))
+                    # stepped in backward the gradients are held anyway
+                    helds = free.nvme_grads_held if opt == "nvme" and not sib else (False,)
+                    for ob, pb, held in itertools.product(
+                            free.opt_buffer_counts if opt == "nvme" else (OPT_BUFFER_COUNTS[0],),
+                            free.param_buffer_counts if param == "nvme" else (PARAM_BUFFER_COUNTS[0],),
+                            helds):
+                        out.append(Choice(param, free.param_max_in_cpu or 0, pb, opt, ratio,
+                                          free.opt_max_in_cpu or 0, ob, sib, held))
     return out
 
 

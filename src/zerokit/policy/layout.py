@@ -258,9 +258,10 @@ def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     # itself, as the host part does (no second 16-bit copy of the part in RAM).
     in_place = shard_tier is TierName.HOST and not placement.delayed and partition.shard_weights
     # With the delayed update the stream reads one gradient file while backward writes the other;
-    # stepped in backward, the gradient is held in host memory until stepped (no file).
+    # stepped in backward, or with nvme_gradients 'host', the gradient is held in host memory
+    # until stepped (no file).
     grads = [BufferRecord(f"nvme_grad{i}", "grads", TierName.NVME, master, lo, hi)
-             for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1)]
+             for i in range(0 if placement.holds_nvme_gradients else 2 if placement.delayed else 1)]
     records = [BufferRecord("nvme_master", "master", TierName.NVME, master, lo, hi), *grads]
     if shard_tier is not TierName.NVME:  # the step's new weights, written back to the weights'
         # home after the stream (a shard on NVMe: the stream writes them to its file a sub-group

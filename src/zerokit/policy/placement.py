@@ -53,6 +53,9 @@ class PlacementPolicy:
         speculatively as soon as backward has reduced its gradient (parts/speculation.py); their
         gradients are held in host memory until the step decides, never written to a file.
         initialize turns it off where the host cannot hold that (engine/assemble.py).
+    nvme_grads_held: with nvme, offload_optimizer.nvme_gradients 'host': the nvme parts'
+        gradients are held in host memory (parts/held_gradient.py), stepped in step(), never
+        written to a file (`holds_nvme_gradients`: this, or step_in_backward).
     master_dtype / state_dtype: the master weights (and the gradients the optimizer reads) and
         the optimizer state, fp32 or bf16 (bf16.bf16_master_weights_and_grads /
         bf16_optimizer_states; engine/bf16_state.py decides and checks what is wired).
@@ -75,6 +78,7 @@ class PlacementPolicy:
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     step_in_backward: bool = False
+    nvme_grads_held: bool = False
     master_dtype: torch.dtype = torch.float32
     state_dtype: torch.dtype = torch.float32
     stochastic_rounding: bool = False
@@ -97,7 +101,8 @@ class PlacementPolicy:
                                  "implemented; give a number in [0, 1]")
             return cls(float(off.ratio), off.pin_memory, off.delayed_update.enabled,
                        off.delayed_update.warmup_steps, nvme=True, ram_numel=off.max_in_cpu,
-                       step_in_backward=_steps_in_backward(off), **params)
+                       step_in_backward=_steps_in_backward(off),
+                       nvme_grads_held=off.nvme_gradients == "host", **params)
         if off.device != "cpu":
             return cls(**params)
         auto = off.ratio == "auto"
@@ -108,6 +113,11 @@ class PlacementPolicy:
     @property
     def offloads(self) -> bool:
         return self.ratio > 0.0
+
+    @property
+    def holds_nvme_gradients(self) -> bool:
+        """The nvme parts' gradients wait for the step in host memory, not in files."""
+        return self.nvme and (self.step_in_backward or self.nvme_grads_held)
 
     def host_numel(self, length: int) -> int:
         """Elements [0, host_numel) of an optimizer range of `length` live and step on the host."""
@@ -152,11 +162,14 @@ class PlacementPolicy:
                 f"{1 - self.ratio:.3g} on the device, stepped at the same time")
         if self.nvme:
             share = "all" if self.ratio >= 1.0 else f"{self.ratio:.3g}"
-            grads = "" if self.step_in_backward else "gradient + "
+            grads = "" if self.holds_nvme_gradients else "gradient + "
             what = (f"ZeRO-Infinity: master + {grads}optimizer state of {share} of each "
                     f"optimizer shard on NVMe, streamed in sub-groups "
                     f"through the host kernel; up to {self.ram_numel:,} elements per rank kept "
                     f"in host memory (offload_optimizer.max_in_cpu)")
+            if self.nvme_grads_held and not self.step_in_backward:
+                what += ("; the NVMe part's gradients held in host memory until the step "
+                         "(offload_optimizer.nvme_gradients 'host')")
         if self.auto_reason:
             what += f" (auto: {self.auto_reason})"
         if self.delayed:
