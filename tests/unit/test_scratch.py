@@ -92,7 +92,8 @@ def test_a_world_1_step_takes_every_reduction_and_gradient_piece_from_the_cache(
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage, "offload_optimizer": {
             "device": "nvme", "nvme_path": str(tmp_path), "step_in_backward": False,
-            "max_in_cpu": 0}},  # set: every part streams from NVMe under the budget too
+            "max_in_cpu": 0,  # set: every part streams from NVMe under the budget too
+            "nvme_gradients": "file"}},  # (and its gradients go to files, not held by the planner)
         **({"memory": {"host": budget}} if budget else {})})
     assert engine.ledger.scratch.idle_limit > 0
     stats, counts = engine.ledger.scratch.stats, []
