@@ -15,12 +15,15 @@ while backward computes the units between.
   of it ahead (`forget`); what a round read ahead and did not ask for is dropped when the next
   round starts, so no read-ahead survives the data it read.
 - `limit` 0 reads nothing ahead: each range is read when asked for.
+- Thread-safe: backward asks from the main thread while a delayed update's stream, on its
+  worker, zero-fills the other gradient file (`forget`).
 - The buffers are the ledger's scratch buffers (kind "buffers"): the plan counts `limit` for
   them (engine/byte_plan.py `gradient_file_io`); a read-ahead that would cross a budget is not
   issued (the range is then read when asked for).
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -43,11 +46,16 @@ class ReadAhead:
         self._ahead: dict[FileRange, tuple[torch.Tensor, Callable[[], None], object]] = {}
         self.bytes_ahead = 0
         self.stats = {"ahead": 0, "now": 0}  # asks served by a read ahead / read when asked
+        self._lock = threading.RLock()
 
     def read(self, rng: FileRange, ready: Ready) -> tuple[torch.Tensor, Callable[[], None]]:
         """rng's elements in a scratch buffer (the caller gives it back with the function
         returned), from a read ahead where there was one, else read now; then the ranges that
         followed rng last round are read ahead."""
+        with self._lock:
+            return self._read(rng, ready)
+
+    def _read(self, rng: FileRange, ready: Ready) -> tuple[torch.Tensor, Callable[[], None]]:
         if rng in self._asked:
             self._next_round()
         self._round.append((rng, ready))
@@ -74,14 +82,19 @@ class ReadAhead:
 
     def forget(self, rng: FileRange) -> None:
         """A write of rng is coming: what was read ahead of it is stale."""
+        with self._lock:
+            self._forget(rng)
+
+    def _forget(self, rng: FileRange) -> None:
         for key in [k for k in self._ahead if k.path == rng.path and k.offset < rng.offset + rng.nbytes
                     and rng.offset < k.offset + k.nbytes]:
             self._drop(key)
 
     def drop(self) -> None:
         """Everything read ahead is given back (the tier closes, or a new round starts)."""
-        for key in list(self._ahead):
-            self._drop(key)
+        with self._lock:
+            for key in list(self._ahead):
+                self._drop(key)
 
     # ---- internals ---------------------------------------------------------------------------
     def _take(self, rng: FileRange) -> tuple[torch.Tensor, Callable[[], None]]:
