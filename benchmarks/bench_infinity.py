@@ -289,12 +289,18 @@ def block_stat_path(folder: Path) -> Path | None:
     return path if os.major(dev) and path.exists() else None
 
 
+def _block_stat(path: Path) -> list[int]:
+    """The stat file's fields (Documentation/block/stat.rst): 2 sectors read, 6 sectors written,
+    8 requests in flight, 9 io_ticks."""
+    return [int(x) for x in path.read_text().split()]
+
+
 def block_counters(path: Path | None) -> tuple[int, float] | None:
     """(bytes read + written, seconds busy) since boot: sectors are 512 bytes whatever the
     device's, io_ticks counts milliseconds with at least one request in flight."""
     if path is None:
         return None
-    f = [int(x) for x in path.read_text().split()]
+    f = _block_stat(path)
     return (f[2] + f[6]) * 512, f[9] / 1e3
 
 
@@ -310,7 +316,7 @@ def write_counters(path: Path | None) -> tuple[int, int] | None:
     """(sectors written since boot, requests in flight now) of the block device at `path`."""
     if path is None:
         return None
-    f = [int(x) for x in path.read_text().split()]
+    f = _block_stat(path)
     return f[6], f[8]
 
 

@@ -12,6 +12,7 @@ import torch
 
 from zerokit.config.ignored import format_ignored, ignored_settings
 from zerokit.logs import log
+from zerokit.policy.layout import gradient_refill_bytes
 from zerokit.sizes import mib
 from zerokit.tier_names import TierName
 
@@ -134,8 +135,7 @@ def _nvme_lines(engine: "Engine", total: int) -> list[str]:
     grads = engine.ledger.bytes(tier=TierName.NVME, kind="grads")  # none where held in RAM
     on_disk = grads + sum(engine.ledger.bytes(tier=TierName.NVME, kind=k) for k in ("master", "optimizer_state"))
     master, state = _storage_names(getattr(engine, "placement", None))
-    # an accumulation's micro-steps after the first read, add and write the gradient files again
-    again = (max(u.layout.reductions_per_step for u in engine.units) - 1) * grads
+    again = gradient_refill_bytes([u.layout for u in engine.units])  # accumulation's refills
     return [f"    {nvme:,} of {total:,} optimizer elements on NVMe on rank {engine.comm.rank}: "
             f"{mib(on_disk)} in files ({master} master, {f'{master} gradient, ' if grads else ''}"
             f"{state} optimizer state); "

@@ -108,7 +108,7 @@ def gradient_file_io(layouts: list[UnitLayout]) -> GradientFileIO | None:
     at least WRITES_IN_FLIGHT_BYTES: a unit's pieces then write while backward computes the next
     units (with a window of 64 MiB, each 160-260 MB unit of a 1B model waited for most of its
     own writes). With accumulation the earlier micro-steps' sums are read as much ahead. None
-    where no part has a gradient file (no nvme part, or stepped in backward: held in memory)."""
+    where no part has a gradient file (no nvme part, or the gradients held in memory)."""
     files = [lay.record("nvme_grad0") for lay in layouts if lay.has("nvme_grad0")]
     if not files:
         return None

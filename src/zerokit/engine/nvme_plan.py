@@ -5,7 +5,8 @@ nvme parts in files under `nvme_path` (tiers/nvme.py): fp32, or bf16 with
 bf16.bf16_master_weights_and_grads / bf16_optimizer_states (half the bytes). Before anything is allocated
 `check_nvme_path` checks that the path exists, is a directory, can be written, and has room for
 what every rank on this machine will reserve; each failure names the path and the numbers.
-`nvme_need` is the bytes this rank reserves, `step_traffic` what one step reads and writes.
+`nvme_need` is the bytes this rank reserves (one step reads and writes each once, and the
+gradient files again per accumulating micro-step: policy/layout.py `gradient_refill_bytes`).
 With offload_param device 'nvme' the stage-3 weight shards are files too (`weight_need`,
 `weight_traffic`), checked against offload_param.nvme_path.
 """
@@ -47,13 +48,6 @@ def weight_traffic(layouts: list, micro_steps: int) -> tuple[int, int]:
     per gather, a forward and a backward one per micro-step, and written once after the step."""
     need = weight_need(layouts)
     return 2 * micro_steps * need, need
-
-
-def step_traffic(layouts: list, optimizer_kind: str | None,
-                 state_dtype: torch.dtype = torch.float32) -> int:
-    """NVMe bytes one step moves on this rank: every nvme element's master, gradient and state
-    written once and read once."""
-    return 2 * nvme_need(layouts, optimizer_kind, state_dtype)
 
 
 def check_nvme_path(path: str, need: int, ranks: int | None = None,

@@ -63,6 +63,7 @@ from zerokit.engine.auto_ratio import balance
 from zerokit.engine.bandwidths import Bandwidths
 from zerokit.engine.byte_plan import plan_layouts, planned_bytes
 from zerokit.policy import PartitionPolicy, PlacementPolicy
+from zerokit.policy.layout import gradient_refill_bytes
 from zerokit.policy.placement import SPLIT_ALIGN
 from zerokit.sizes import mib
 from zerokit.tier_names import TierName
@@ -366,10 +367,7 @@ def step_time(inputs: PlanInputs, placement: PlacementPolicy, layouts: list,
     parts = {"device Adam": dev / bw.device_adam, "host Adam": off / bw.host_adam,
              "host copies": (2 * m * shards + (master + elem) * off) / bw.host_copy}
     files = nvme_plan.nvme_need(layouts, inputs.kind, placement.state_dtype) if placement.nvme else 0
-    # gradient files: written by every micro-step that reduces, read back by each one after the
-    # first (accumulation) and by the step; nvme_need counts one write and one read
-    again = (max((lay.reductions_per_step for lay in layouts), default=1) - 1) * sum(
-        lay.bytes(TierName.NVME).get("grads", 0) for lay in layouts)
+    again = gradient_refill_bytes(layouts)  # the accumulation's read-add-write
     w_read, w_write = nvme_plan.weight_traffic(layouts, m)
     if files or w_read:
         parts["disk read"] = (files + again + w_read) / bw.disk_read

@@ -1,12 +1,16 @@
-"""Gradients held in host memory, never in a file (offload_optimizer.step_in_backward).
+"""Gradients held in host memory, never in a file (offload_optimizer.step_in_backward, or an
+nvme part's with offload_optimizer.nvme_gradients 'host').
 
 [Note: held gradients]
-Stepped in backward (parts/speculation.py), a host or nvme part's gradient (the master's dtype) lives in a host
-buffer of the part's own, allocated when its first piece lands and kept step after step (a fresh
-buffer per step would pay its page faults again each time: seconds per step at 1B); an nvme
-part's gradient never goes to a file. It is held until the step decides: a rollback steps again
-from the same values (a redo), so the buffer is every offloaded element's 4 bytes, counted in the
-ledger and the host budget (engine/assemble.py).
+Stepped in backward (parts/speculation.py), a host or nvme part's gradient (the master's dtype)
+lives in a host buffer of the part's own, allocated when its first piece lands and kept step
+after step (a fresh buffer per step would pay its page faults again each time: seconds per step
+at 1B); an nvme part's gradient never goes to a file. It is held until the step decides: a
+rollback steps again from the same values (a redo), so the buffer is every offloaded element's
+4 bytes, counted in the ledger and the host budget (engine/assemble.py). With nvme_gradients
+'host' (stepped in step()) an nvme part holds its gradient the same way, so the stream reads
+master and state only and an accumulation adds in memory (engine/byte_plan.py counts the nvme
+parts' elements; a host part keeps its gradient record).
 
 The first piece on a range is copied, not added, and nothing is zeroed but the elements no piece
 reached (`settle`); later pieces on the same elements (accumulation over micro-steps) are added.

@@ -98,7 +98,9 @@ class KernelPart(Protocol):
                     nvme tier)
     out16, pin      the kernel's 16-bit output (None where there is none) and whether it crosses
                     to a CUDA device asynchronously
-    held            with step_in_backward, the parts/held_gradient.py HeldGradient (else None)
+    held            the parts/held_gradient.py HeldGradient where the gradient waits in host
+                    memory (step_in_backward; an nvme part also with nvme_gradients 'host'),
+                    else None
     steps, group    updates applied; the optimizer param group whose hyper-parameters apply
     busy            the worker that may write master / state (executors.WorkerDone), or None
     """

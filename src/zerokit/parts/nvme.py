@@ -6,7 +6,8 @@ bf16_optimizer_states: 2 bytes per element per file, the host part's dtypes) on 
 tensors (as DeepSpeed swaps its fp32 gradient partitions); only its new compute-dtype weights
 (`out16`, whatever the dtype; with offload_param and no delay, the host shard itself) stay in
 host memory, written back through the same `WeightsOut` a host part holds (parts/kernel_part.py).
-The gradient arrives through `FileGradient` (below), or with step_in_backward is held in memory. The streaming executor (parts/nvme_executor.py) steps it a sub-group at
+The gradient arrives through `FileGradient` (below), or is held in memory (step_in_backward, or
+offload_optimizer.nvme_gradients 'host': placement.holds_nvme_gradients). The streaming executor (parts/nvme_executor.py) steps it a sub-group at
 a time; the few operations that need the whole master (an edit under GatheredParameters,
 `full_master`) read it whole, one part at a time.
 """
@@ -206,7 +207,8 @@ class NvmePart(PartSpan):
     new weights in host memory (or in the shard's file); stepped a sub-group at a time by the
     streaming executor (parts/nvme_executor.py). A `KernelPart` (parts/kernel_part.py), as the
     host part is; both are a `PartSpan` (a range of the unit's optimizer range whose new weights
-    leave through a `WeightsOut`), and with step_in_backward both hold a `HeldGradient`."""
+    leave through a `WeightsOut`), and with step_in_backward both hold a `HeldGradient` (an nvme
+    part also with nvme_gradients 'host')."""
 
     tier = TierName.NVME
 
@@ -216,7 +218,7 @@ class NvmePart(PartSpan):
         self.nvme = nvme
         self.slots = NvmeSlots(master)  # master and state: see NvmeSlots
         # one gradient file, two with the delayed update (the stream reads one, backward writes
-        # the other; swap_grads flips `current`); none with step_in_backward: held in memory
+        # the other; swap_grads flips `current`); none where held in memory (holds_nvme_gradients)
         self.held = None if grad_files else HeldGradient(self.numel, master.dtype)
         self.gradients: list[FileGradient | HeldGradient] = (
             [FileGradient(nvme, g) for g in grad_files] if grad_files else [self.held])

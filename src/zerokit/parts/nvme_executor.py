@@ -3,7 +3,8 @@
 [Note: streaming the optimizer]
 Each unit's nvme part (parts/nvme.py) keeps its master, optimizer state and gradient in
 files (fp32, or bf16 with bf16.bf16_master_weights_and_grads / bf16_optimizer_states: the buffer
-sets then hold bf16 too, and a sub-group moves 2 bytes per element per buffer each way) (the gradient held in host memory instead with step_in_backward, parts/held_gradient.py) and
+sets then hold bf16 too, and a sub-group moves 2 bytes per element per buffer each way) (the gradient held in host memory instead with step_in_backward or nvme_gradients 'host',
+parts/held_gradient.py) and
 its new weights in host memory (in its shard's file when that is on NVMe). The step cuts every
 stepped part into sub-groups of `sub_group_size` elements and streams them through `buffer_count`
 host buffer sets (a master, a gradient unless held, a 16-bit output when weights go to files, and
@@ -55,7 +56,7 @@ class StreamSettings:
     buffer_count: int = 4
     pipeline_read: bool = False
     pipeline_write: bool = False
-    gradients_in_files: bool = True  # False with step_in_backward: held in host memory instead
+    gradients_in_files: bool = True  # False where held in host memory (placement.holds_nvme_gradients)
     weights_in_files: bool = False  # offload_param device 'nvme': new 16-bit weights go to files
 
     @property

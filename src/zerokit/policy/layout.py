@@ -31,7 +31,8 @@ host part's length, `r` = this rank's shard):
     nvme_*       with offload_optimizer device 'nvme' the offloaded range [a, a + k) splits:
                  [a, a + h) is the host part above (h: the max_in_cpu budget), [a + h, a + k)
                  the nvme part: nvme_master and nvme_grad0 (and nvme_grad1 with the delayed
-                 update; none with step_in_backward) on the nvme tier in the master's dtype
+                 update; none where the gradients are held in host memory: step_in_backward or
+                 offload_optimizer.nvme_gradients 'host') on the nvme tier in the master's dtype
                  (fp32, or bf16 with bf16.bf16_master_weights_and_grads), nvme_out
                  compute dtype on the host (offload_param, no delay: the host shard; none
                  where the shard is on NVMe: the stream writes the new weights to its file)
@@ -153,6 +154,14 @@ def geometry(numel: int, world: int, rank: int,
     shard = padded // world
     own = (rank * shard, (rank + 1) * shard)
     return padded, shard, own, (own if shard_optimizer else (0, padded))
+
+
+def gradient_refill_bytes(layouts: list[UnitLayout]) -> int:
+    """Bytes the gradient files move once more each way per step beyond one write and one read:
+    every micro-step after the first reads, adds and writes them back where each micro-step
+    reduces (`reductions_per_step`); none where the gradients are held in host memory."""
+    again = max((lay.reductions_per_step for lay in layouts), default=1) - 1
+    return again * sum(lay.bytes(TierName.NVME).get("grads", 0) for lay in layouts)
 
 
 def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
