@@ -187,8 +187,10 @@ def test_stage3_ds_views_and_gathered_edit():
     engine, _, _, _ = _engine(_config(zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0}))
     w = engine.module.transformer.wte.weight
     assert w.ds_numel == w.numel() and w.ds_shape == w.shape
-    assert w.ds_status is ZeroParamStatus.NOT_AVAILABLE
-    assert w.ds_tensor.numel() == w.numel()  # world 1: the whole parameter is this rank's
+    # world 1: the whole parameter is this rank's shard, and that shard is the weights the forward
+    # reads ([Note: one rank's shard is its weights]): always available, never released
+    assert w.ds_status is ZeroParamStatus.AVAILABLE
+    assert w.ds_tensor.numel() == w.numel() and w.ds_tensor.data_ptr() == w.data_ptr()
     ids = [p.ds_id for p in engine.module.parameters()]
     assert ids == list(range(len(ids)))
     with pytest.raises(AttributeError):
@@ -196,7 +198,7 @@ def test_stage3_ds_views_and_gathered_edit():
     with deepspeed.zero.GatheredParameters([w], modifier_rank=0):
         assert w.ds_status is ZeroParamStatus.AVAILABLE
         w.data[:3, :] = 0.25
-    assert w.ds_status is ZeroParamStatus.NOT_AVAILABLE
+    assert w.ds_status is ZeroParamStatus.AVAILABLE
     fp32 = engine.consolidated_fp32_state_dict()
     assert torch.equal(fp32["transformer.wte.weight"][:3], torch.full((3, w.shape[1]), 0.25))
     sd16 = engine._zero3_consolidated_16bit_state_dict()
@@ -205,6 +207,29 @@ def test_stage3_ds_views_and_gathered_edit():
         if name in fp32:
             assert torch.equal(v, fp32[name].to(v.dtype)), name
     engine.destroy()
+
+
+def _ds_status_with_ranks(rank: int, world: int) -> list[str]:
+    import zerokit.compat.deepspeed as deepspeed
+    from zerokit.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    engine, _, _, _ = _engine(_config(zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0}))
+    w = engine.module.transformer.wte.weight
+    seen = [w.ds_status, 0 < w.ds_tensor.numel() < w.numel()]  # its part of this rank's shard
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=0):
+        seen.append(w.ds_status)
+    seen.append(w.ds_status)
+    engine.destroy()
+    return [str(x) for x in seen]
+
+
+def test_stage3_ds_status_with_ranks_is_released_between_uses():
+    """Two ranks: a rank's shard is half the parameter, gathered only while in use."""
+    from harness import run_world
+
+    for seen in run_world(_ds_status_with_ranks, 2):
+        assert seen == ["ZeroParamStatus.NOT_AVAILABLE", "True", "ZeroParamStatus.AVAILABLE",
+                        "ZeroParamStatus.NOT_AVAILABLE"], seen
 
 
 def test_args_deepspeed_config_and_one_config_only(tmp_path):

@@ -127,6 +127,7 @@ class CountingUnit:
 
         self.name, self.numel, self.padded_numel, self.shard_numel = name, padded_numel, padded_numel, 0
         self.state, self.nvme_shard, self.module = WeightState.SHARDED, None, nn.Identity()
+        self.weights_are_shard = False
         self._log = log
 
     def gather(self) -> None:

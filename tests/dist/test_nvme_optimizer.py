@@ -267,7 +267,8 @@ def _train_accumulating(rank, world, cfg, gas):
            "nvme_grads": engine.ledger.bytes(tier="nvme", kind="grads"),
            "nvme_numel": sum(u.layout.nvme_numel for u in engine.units),
            "read_ahead": dict(engine.nvme_tier.read_ahead.stats) if engine.nvme_tier else None,
-           "read_ahead_limit": engine.nvme_tier.read_ahead.limit if engine.nvme_tier else None}
+           "read_ahead_limit": engine.nvme_tier.read_ahead.limit if engine.nvme_tier else None,
+           "io": engine.nvme_io(), "report": engine.memory_report()}
     engine.destroy()
     return out
 
@@ -288,9 +289,17 @@ def test_gradients_on_nvme_accumulate_like_cpu_offload(tmp_path, stage, dtype, g
         if stage == 1:  # the micro-steps sum on the device; the boundary's reduction writes once
             assert nvme[r]["read_ahead"] == {"ahead": 0, "now": 0}
             assert nvme[r]["read_ahead_limit"] == 0
+            assert nvme[r]["io"]["sums_read_ahead"] == nvme[r]["io"]["sums_read_when_asked"] == 0
+            assert "gradient sums read ahead" not in nvme[r]["report"]
         else:
             assert nvme[r]["read_ahead_limit"] == GRAD_CHUNK_BYTES  # initialize sized it: one chunk here
             assert nvme[r]["read_ahead"]["ahead"] > nvme[r]["read_ahead"]["now"] > 0, nvme[r]["read_ahead"]
+            # the last step's share, in its I/O report and memory_report()
+            io = nvme[r]["io"]
+            ahead, now = io["sums_read_ahead"], io["sums_read_when_asked"]
+            assert 0 < ahead < nvme[r]["read_ahead"]["ahead"] and now < nvme[r]["read_ahead"]["now"], io
+            assert f"gradient sums read ahead {ahead} of {ahead + now} ({now} read when asked)" \
+                in nvme[r]["report"], nvme[r]["report"]
 
 
 @pytest.mark.slow

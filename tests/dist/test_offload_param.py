@@ -2,8 +2,9 @@
 
 - parity: offload_param on equals off (fp32 within rtol 1e-6; bf16 within test_parity.py's
   two-part bound), alone and with offload_optimizer (ratio 1, Twin-Flow 0.4, the delayed
-  update), at world 1 and 2. On this CPU-only machine the "device" is CPU memory and the same
-  code path runs: every gather copies the host shard into the gathered buffer.
+  update), at world 1 and 2. On this CPU-only machine the "device" is CPU memory: at world 2
+  every gather copies the host shard into the gathered buffer; at world 1 the host shard is the
+  weights and nothing is gathered ([Note: one rank's shard is its weights] in policy/layout.py).
 - ledger and plan: the weight shards are on the host tier, the device holds weights only while
   gathered, and the start-up plan says so.
 - the scheduler still prefetches (which now includes the host -> device copy).

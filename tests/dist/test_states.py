@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness import run_world
 from reference import tiny_gpt
 
 MICRO = 2
@@ -60,7 +61,7 @@ def _engine(stage: int, offload: bool):
     return engine
 
 
-def test_a_units_weights_refuse_an_illegal_move() -> None:
+def _illegal_weights_move(rank: int, world: int) -> None:
     from zerokit.states import IllegalTransition, WeightState
 
     engine = _engine(3, offload=False)
@@ -70,6 +71,11 @@ def test_a_units_weights_refuse_an_illegal_move() -> None:
         unit._move(WeightState.GATHERED)  # a wait without a gather: nothing was gathered
     assert unit.state is WeightState.SHARDED
     engine.destroy()
+
+
+def test_a_units_weights_refuse_an_illegal_move() -> None:
+    # two ranks: one rank's units are never sharded ([Note: one rank's shard is its weights])
+    run_world(_illegal_weights_move, 2)
 
 
 def test_executors_refuse_an_illegal_move() -> None:

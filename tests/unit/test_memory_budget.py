@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import zerokit
+from harness import run_world
 from reference import tiny_gpt
 from zerokit.engine.host_budget import HostMemoryError
 from zerokit.tiers.ledger import BudgetExceededError
@@ -33,13 +34,15 @@ def test_a_host_budget_below_the_offload_plan_is_refused_at_start() -> None:
         _engine({"host": "64KiB"}, stage=2, offload_optimizer={"device": "cpu"})
 
 
-def test_an_allocation_past_the_device_budget_fails_with_the_breakdown() -> None:
-    """Stage 3, fp32, nothing kept gathered: initialize holds each unit's shard and its fp32
-    gradient shard (the master is the shard); the first forward gathers the root unit, a
-    transient of its padded size, which the budget leaves no room for."""
+def _past_the_device_budget(rank: int, world: int) -> tuple[str, int, int]:
+    """Stage 3, fp32: initialize holds each unit's shard and its fp32 gradient shard (the master
+    is the shard), with room for a unit's padding and no more. With two ranks the first forward
+    gathers a unit, a transient of its padded size, and crosses the budget there. With one the
+    shard is the weights ([Note: one rank's shard is its weights]): nothing is gathered, and the
+    first backward's scratch buffer for the reduction, of a unit's padded size, crosses it."""
     model = tiny_gpt()
-    held = sum(p.numel() for p in model.parameters()) * (4 + 4)  # one rank: shard + gradient
-    budget = held + 2048  # with each unit's padding (< 32 elements) it fits; a gathered unit not
+    held = sum(p.numel() for p in model.parameters()) * (4 + 4) // world  # shard + gradient
+    budget = held + 2048  # with each unit's padding (< 32 elements) it fits; a unit's buffer not
     assert model.transformer.wte.weight.numel() * 4 > 2048
     # placement by hand (the planner would move state off the device to fit the budget:
     # tests/unit/test_planner.py), so that the ledger's own check is what fails
@@ -48,9 +51,17 @@ def test_an_allocation_past_the_device_budget_fails_with_the_breakdown() -> None
                      offload_optimizer={"device": "none"})
     with pytest.raises(BudgetExceededError) as err:
         _step(engine)
-    text = str(err.value)
-    assert "device budget" in text and "transient weights buffer" in text and "weights" in text
-    assert engine.ledger.bytes("device") <= budget  # the crossing allocation was not counted
+    return str(err.value), engine.ledger.bytes("device"), budget
+
+
+@pytest.mark.parametrize("world, crossing", [(1, "scratch buffers buffer"),
+                                             (2, "transient weights buffer")])
+def test_an_allocation_past_the_device_budget_fails_with_the_breakdown(world, crossing) -> None:
+    results = ([_past_the_device_budget(0, 1)] if world == 1
+               else run_world(_past_the_device_budget, world))
+    for text, held, budget in results:
+        assert "device budget" in text and crossing in text and "weights" in text, text
+        assert held <= budget  # the crossing allocation was not counted
 
 
 def test_rss_past_the_host_budget_fails_after_the_step() -> None:

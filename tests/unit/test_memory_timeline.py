@@ -9,20 +9,20 @@ import pytest
 import torch
 
 import zerokit
+from harness import run_world
 from reference import tiny_gpt
 
-ALIGN = 32  # elements per shard boundary (policy/layout.py ALIGN): one rank pads to it
+ALIGN = 32  # elements per shard boundary (policy/layout.py ALIGN): a unit pads to world * ALIGN
+WORLD = 2  # one rank gathers nothing: its shard is its weights ([Note: one rank's shard is its
+# weights] in policy/layout.py)
 
 
 def _padded(module: torch.nn.Module, exclude=()) -> int:
     n = sum(p.numel() for p in module.parameters() if all(p is not q for q in exclude))
-    return -(-n // ALIGN) * ALIGN
+    return -(-n // (WORLD * ALIGN)) * (WORLD * ALIGN)
 
 
-@pytest.fixture(scope="module")
-def stage3_timeline():
-    """Stage 3, fp32, one rank, nothing kept gathered or prefetched: while a block runs forward,
-    the device holds every shard, the root unit (gathered for the whole step) and that block."""
+def _stage3_run(rank: int, world: int):
     torch.set_num_threads(1)
     model = tiny_gpt()
     blocks = list(model.transformer.h)
@@ -37,8 +37,17 @@ def stage3_timeline():
     block_params = [p for b in blocks for p in b.parameters()]
     root = _padded(model, exclude=block_params)
     sizes = [_padded(b) for b in blocks]
-    yield engine.memory_timeline(), root, sizes
+    timeline = engine.memory_timeline()
     engine.destroy()
+    return timeline, root, sizes
+
+
+@pytest.fixture(scope="module")
+def stage3_timeline():
+    """Stage 3, fp32, two ranks, nothing kept gathered or prefetched: while a block runs
+    forward, rank 0's device holds its shard of every unit, the root unit (gathered for the whole
+    step) and that block."""
+    return run_world(_stage3_run, WORLD)[0]
 
 
 def test_phases_name_each_units_forward_then_backward_and_step(stage3_timeline) -> None:
@@ -55,7 +64,7 @@ def test_phases_name_each_units_forward_then_backward_and_step(stage3_timeline) 
 
 def test_weights_while_a_block_runs_are_shards_root_and_that_block(stage3_timeline) -> None:
     timeline, root, sizes = stage3_timeline
-    shards = 4 * (root + sum(sizes))  # fp32, one rank: a shard is the whole padded unit
+    shards = 4 * (root + sum(sizes)) // WORLD  # fp32: a shard is its rank's part of the padded unit
     for i, size in enumerate(sizes):
         during = [table["device"]["weights"] for _, phase, table in timeline.totals()
                   if phase == f"forward transformer.h.{i}"]

@@ -224,18 +224,20 @@ def test_auto_without_a_budget_is_refused_naming_the_keys():
                  activations=False)
 
 
-def test_step_time_is_the_stated_model():
+@pytest.mark.parametrize("world, cuda, gathers", [(1, False, False), (1, True, True), (2, False, True)])
+def test_step_time_is_the_stated_model(world, cuda, gathers):
     """Weights on the host, optimizer on the host, one micro-step: host Adam over every element,
-    the shards copied in two gathers, each element's gradient in and weight out; no disk."""
-    cfg = _cfg(zero={"offload_optimizer": {"device": "cpu", "step_in_backward": False},
+    the shards copied in two gathers (none where one rank's host shard is the CPU's weights),
+    each element's gradient in and weight out; no disk."""
+    cfg = _cfg(zero={"offload_optimizer": {"device": "cpu", "step_in_backward": False, "ratio": 1.0},
                      "offload_param": {"device": "cpu"}})
-    plan = choose(_inputs(cfg, 1 << 30), BW)
+    inputs = _inputs(cfg, 1 << 30, world=world, cuda=cuda, device=(1 << 30) if cuda else None)
+    plan = choose(inputs, BW)
     (p,) = plan.considered
-    n = sum(lay.shard_numel for lay in planner._layouts(_inputs(cfg, 1 << 30),
-                                                        planner._placement(_inputs(cfg, 1 << 30), plan.config)))
+    n = sum(lay.shard_numel for lay in planner._layouts(inputs, planner._placement(inputs, plan.config)))
     assert p.time_parts["device Adam"] == 0
     assert p.time_parts["host Adam"] == pytest.approx(n / 400e6)
-    assert p.time_parts["host copies"] == pytest.approx((2 * 4 * n + (4 + 4) * n) / 10e9)
+    assert p.time_parts["host copies"] == pytest.approx((2 * 4 * n * gathers + (4 + 4) * n) / 10e9)
     assert "disk read" not in p.time_parts
     assert p.seconds == pytest.approx(sum(p.time_parts.values()))
     assert "chosen:" in plan.explain() and "placements considered" in plan.explain()

@@ -512,6 +512,10 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, FailedStep
             if "idle_s" in io:  # where the disk waited on compute (see nvme_io)
                 text += (f"; disk idle {io['idle_s']:.3f} s of the step's {io['window_s']:.3f} s "
                          f"(no read {io['read_idle_s']:.3f} s, no write {io['write_idle_s']:.3f} s)")
+            asked = io.get("sums_read_ahead", 0) + io.get("sums_read_when_asked", 0)
+            if asked:  # gradient files summed over micro-steps (see [Note: gradient read-ahead])
+                text += (f"; gradient sums read ahead {io['sums_read_ahead']} of {asked} "
+                         f"({io['sums_read_when_asked']} read when asked)")
         if self._steps_in_backward:  # offload_optimizer.step_in_backward's speculative steps
             text += "\n" + self.speculation.line()
         return text
@@ -527,13 +531,17 @@ class Engine(DeepSpeedEngineAPI, OffloadStatesAPI, CheckpointMethods, FailedStep
         weights written back), GB/s over the I/O's wall time, seconds threads waited on it, the
         optimizer stream's own wall time, and the disk's idle time over the step (`window_s`,
         since the previous step's report): `idle_s` with no request in flight, `read_idle_s`
-        with no read, `write_idle_s` with no write (the I/O engine's own clock)."""
+        with no read, `write_idle_s` with no write (the I/O engine's own clock); with
+        accumulation at stages 2-3, how many earlier gradient sums were served read ahead
+        (`sums_read_ahead`) and read when asked (`sums_read_when_asked`)."""
         return self.ledger.io(TierName.NVME)
 
     def _record_io(self) -> None:
         if self.nvme_tier is None:
             return
         report = self.nvme_tier.stats.take()
+        sums = self.nvme_tier.read_ahead.take()  # the accumulation's earlier gradient sums
+        report["sums_read_ahead"], report["sums_read_when_asked"] = sums["ahead"], sums["now"]
         report["stream_s"] = sum(getattr(e, "stream_s", 0.0) for e in self.kernel_executors)
         self.ledger.record_io(TierName.NVME, report)
 

@@ -30,6 +30,7 @@ class _StandIn:
     """What the scheduler reads and calls on a Unit; gathering only counts elements."""
 
     nvme_shard = None
+    weights_are_shard = False  # such a unit gathers nothing: callers leave it out
 
     def __init__(self, name: str, module: nn.Module, numel: int, padded: int, tally: _Tally):
         self.name, self.module, self.numel, self.padded_numel = name, module, numel, padded

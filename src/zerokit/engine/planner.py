@@ -25,7 +25,8 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
 3. time: the step as bytes moved over the measured bandwidths plus the optimizer's compute
    (engine/bandwidths.py): device-part elements / device Adam rate, host and nvme elements /
    host Adam rate, host copies (each host or nvme weight shard copied in 2 gathers per micro-
-   step; each offloaded element's gradient in and new weight out) / host copy rate, and disk
+   step, none where the shard is the weights: [Note: one rank's shard is its weights]; each
+   offloaded element's gradient in and new weight out) / host copy rate, and disk
    bytes (the nvme parts' files read and written once, engine/nvme_plan.py, and the gradient
    files once more each way per micro-step after the first where each micro-step reduces: the
    accumulation's read-add-write; the weight files read per gather and written once) / disk
@@ -362,8 +363,9 @@ def step_time(inputs: PlanInputs, placement: PlacementPolicy, layouts: list,
     off = sum(lay.host_numel + lay.nvme_numel for lay in layouts)
     elem = torch.empty(0, dtype=inputs.dtype).element_size()
     master = torch.empty(0, dtype=placement.master_dtype).element_size()
-    shards = sum(lay.record("shard").nbytes for lay in layouts
-                 if lay.has("shard") and lay.record("shard").tier is not TierName.DEVICE)
+    shards = sum(lay.record("shard").nbytes for lay in layouts  # copied into a gathered buffer
+                 if lay.has("shard") and lay.record("shard").tier is not TierName.DEVICE
+                 and lay.gathers)
     parts = {"device Adam": dev / bw.device_adam, "host Adam": off / bw.host_adam,
              "host copies": (2 * m * shards + (master + elem) * off) / bw.host_copy}
     files = nvme_plan.nvme_need(layouts, inputs.kind, placement.state_dtype) if placement.nvme else 0

@@ -41,7 +41,7 @@ class Stage3Scheduler:
         self.nvme_buffers = cfg.offload_param.buffer_count  # shards read ahead at most
         self.nvme_buffer_numel = cfg.offload_param.buffer_size
         for u in units:
-            u.persistent = u.numel <= cfg.stage3_param_persistence_threshold
+            u.persistent = u.weights_are_shard or u.numel <= cfg.stage3_param_persistence_threshold
         self.trace: list[Unit] = []      # uses of the last recorded iteration
         self._recording: list[Unit] = []
         self._pos = 0

@@ -108,7 +108,7 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
     element = torch.empty(0, dtype=compute).element_size()
     if policy.shard_weights:
         units = [(name, module, lay.numel, lay.padded_numel)
-                 for (name, module, *_), lay in zip(groups, layouts)]
+                 for (name, module, *_), lay in zip(groups, layouts) if lay.gathers]
         device["weights"] += element * gathered_peak_numel(units, order or modules, src.model, zero)
     device["buffers"] += reduce_buffer_bytes(layouts, policy, compute, reduce_dtype(cfg), zero,
                                              world_size)

@@ -11,7 +11,8 @@ records in order (units/unit.py `_allocate`); nobody compares storage pointers t
 
 Records (element ranges in the unit's flat index space; `a, b` = the optimizer range, `k` = the
 host part's length, `r` = this rank's shard):
-    weights      compute dtype, [0, P)   device; transient at stage 3 (storage only while gathered)
+    weights      compute dtype, [0, P)   device; transient at stage 3 (storage only while gathered),
+                                         except where it is the shard (weights_are_shard)
     shard        compute dtype, shard r  stage 3: device, or host with offload_param cpu, or
                  nvme (a file range) with offload_param nvme beyond its max_in_cpu budget
     shard_buffer compute dtype, shard r  with the shard on nvme: the host buffer the shard passes
@@ -105,6 +106,12 @@ class UnitLayout:
     reductions_per_step: int = 1          # micro-steps whose gradients leave the unit: each, when
                                           # shard_gradients (the files' read-add-write), else 1
 
+    @property
+    def gathers(self) -> bool:
+        """Stage 3 gathers the weights into storage of their own (see [Note: one rank's shard is
+        its weights] for when it does not)."""
+        return self.record("weights").transient
+
     def has(self, name: str) -> bool:
         return any(r.name == name for r in self.records)
 
@@ -156,6 +163,18 @@ def geometry(numel: int, world: int, rank: int,
     return padded, shard, own, (own if shard_optimizer else (0, padded))
 
 
+def weights_are_shard(world: int, shard_tier: TierName, cuda: bool) -> bool:
+    """[Note: one rank's shard is its weights]
+    Stage 3 gathers a unit's weights into a buffer on the compute device from this rank's shard.
+    With one rank the shard is every weight, and where it lives in the compute device's own
+    memory (a device shard; a host shard when the device is this host's CPU) the gather would
+    copy those bytes to a second buffer in the same memory, twice per micro-step (forward and
+    backward): at 1B in bf16, 2 GB each time and as much RAM again. So there the weights are the
+    shard itself: nothing is gathered or released (the unit is persistent), and the optimizer
+    parts write the new weights where the forward reads them, as they write the shard."""
+    return world == 1 and (shard_tier is TierName.DEVICE or (shard_tier is TierName.HOST and not cuda))
+
+
 def gradient_refill_bytes(layouts: list[UnitLayout]) -> int:
     """Bytes the gradient files move once more each way per step beyond one write and one read:
     every micro-step after the first reads, adds and writes them back where each micro-step
@@ -182,16 +201,22 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     fp32 = compute_dtype == torch.float32
     f32 = torch.float32
     pin_params = placement.param_pin_memory and cuda and torch.cuda.is_available()
-    records = [BufferRecord("weights", "weights", TierName.DEVICE, compute_dtype, 0, padded,
-                            transient=partition.shard_weights)]
     lo, hi = own
     shard_tier = placement.param_tier(shard_numel, param_ram_left)
-    if partition.shard_weights:
+    if partition.shard_weights and weights_are_shard(world, shard_tier, cuda):
+        records = [BufferRecord("shard", "weights", shard_tier, compute_dtype, lo, hi),
+                   BufferRecord("weights", "weights", shard_tier, compute_dtype, 0, padded,
+                                alias_of="shard")]
+    elif partition.shard_weights:
+        records = [BufferRecord("weights", "weights", TierName.DEVICE, compute_dtype, 0, padded,
+                                transient=True)]
         records.append(BufferRecord("shard", "weights", shard_tier, compute_dtype, lo, hi,
                                     pinned=pin_params and shard_tier is not TierName.NVME))
         if shard_tier is TierName.NVME:
             records.append(BufferRecord("shard_buffer", "buffers", TierName.HOST, compute_dtype,
                                         lo, hi, pinned=pin_params, transient=True))
+    else:
+        records = [BufferRecord("weights", "weights", TierName.DEVICE, compute_dtype, 0, padded)]
     home = "shard" if partition.shard_weights else "weights"  # where the weights persist
     if not trainable:
         return UnitLayout(numel, padded, shard_numel, own, (a, b), (), tuple(records), reductions)

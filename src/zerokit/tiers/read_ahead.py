@@ -46,7 +46,15 @@ class ReadAhead:
         self._ahead: dict[FileRange, tuple[torch.Tensor, Callable[[], None], object]] = {}
         self.bytes_ahead = 0
         self.stats = {"ahead": 0, "now": 0}  # asks served by a read ahead / read when asked
+        self._taken = dict(self.stats)  # stats at the last take (the step's report)
         self._lock = threading.RLock()
+
+    def take(self) -> dict[str, int]:
+        """The asks since the last take: served by a read ahead, and read when asked."""
+        with self._lock:
+            got = {k: v - self._taken[k] for k, v in self.stats.items()}
+            self._taken = dict(self.stats)
+        return got
 
     def read(self, rng: FileRange, ready: Ready) -> tuple[torch.Tensor, Callable[[], None]]:
         """rng's elements in a scratch buffer (the caller gives it back with the function

@@ -127,6 +127,8 @@ class Unit(GradientReduction):
             raise ValueError(f"unit {name!r}: layout planned for {layout.numel} elements, the "
                              f"parameters have {offset}")
         self.layout = layout
+        # [Note: one rank's shard is its weights] in policy/layout.py
+        self.weights_are_shard = layout.aliases("weights", "shard")
         self.padded_numel, self.shard_numel = layout.padded_numel, layout.shard_numel
         self.shard_range = layout.shard_range  # this rank's elements [lo, hi) of the flat index space
         self.opt_range = layout.opt_range
@@ -144,7 +146,8 @@ class Unit(GradientReduction):
         # the timeline's phase names for this unit's forward and recomputation, made once
         # ([Note: the memory timeline] in tiers/timeline.py)
         self.phase_names = (f"forward {name}", f"recompute {name}")
-        self.persistent = not policy.shard_weights  # stage 3 decides per unit (small ones stay)
+        # stage 3 decides per unit (small ones stay); never gathered where the shard is the weights
+        self.persistent = not policy.shard_weights or self.weights_are_shard
         self.reduce_at_end = False  # holds a leaf module: reduced at end of backward ([Note: leaf modules])
         self.lease = ReadLease()  # readers of this unit's state in flight; its engine's, shared (units/lease.py)
 
@@ -192,7 +195,7 @@ class Unit(GradientReduction):
             self.nvme_shard = NvmeShard(tiers[TierName.NVME], bufs["shard"], self.shard, self.ledger)
         self._placeholder = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
         self._state = WeightState.GATHERED
-        if self.shard is not None:
+        if self.shard is not None and not self.weights_are_shard:
             lo, hi = self.shard_range
             self.shard.copy_(flat[lo:hi])
             if self.nvme_shard is not None:
@@ -289,8 +292,8 @@ class Unit(GradientReduction):
         self.parts[-1].write_weights()
         if self.shard is not None and self.state is WeightState.SHARDED:
             return  # stage 3: the next gather reads the new shard
-        if self.shard is None and not self.policy.shard_optimizer:
-            return  # every rank stepped the whole unit: nothing to gather
+        if (self.shard is None and not self.policy.shard_optimizer) or self.weights_are_shard:
+            return  # every rank stepped the whole unit (or the one rank its weights): no gather
         self.wait_weights()  # a gather still in flight lands before the new one starts
         self._start_gather()  # persistent / still-gathered units gather anew
 
@@ -349,7 +352,8 @@ class Unit(GradientReduction):
             return
         if self.shard.device == own.device or not uses_streams(own):
             # A device shard; or offload_param on a CPU-only machine, where this is the same
-            # host -> "device" copy between two buffers, synchronous.
+            # host -> "device" copy between two buffers, synchronous (with ranks: one rank's
+            # shard there is the weights, never gathered: see policy/layout.py).
             own.copy_(self.shard)
             self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
                                                        unit=self.index)
@@ -388,8 +392,8 @@ class Unit(GradientReduction):
     def release(self, persistent_too: bool = False) -> None:
         """Drop the full weights, keeping the shard (stage 3; persistent units only when
         persistent_too: engine.empty_partition_cache, whose next use gathers them again)."""
-        if self.shard is None or self.state is WeightState.SHARDED:
-            return  # below stage 3 the full weights are the only copy
+        if self.shard is None or self.state is WeightState.SHARDED or self.weights_are_shard:
+            return  # below stage 3 (or where the shard is the weights) they are the only copy
         if self.persistent and not persistent_too:
             return
         self.wait_weights()
@@ -401,7 +405,7 @@ class Unit(GradientReduction):
         Master elements whose 16-bit rounding did not change keep their fp32 value, so gathering
         to read (or to edit a few weights) does not lose the master's precision elsewhere.
         """
-        if self.shard is not None:
+        if self.shard is not None and not self.weights_are_shard:
             lo, hi = self.shard_range
             if self.nvme_shard is not None:
                 self.nvme_shard.write_values(self.flat[lo:hi])
