@@ -172,10 +172,12 @@ def test_two_ranks_probe_the_all_gather_alike_cache_it_and_run_the_sizes_chosen(
 def test_a_tight_host_budget_puts_part_of_the_states_on_nvme_and_trains_the_same(tmp_path, world):
     # Beyond the process and the margin, the budget holds the model's fp32 weights (in RAM now,
     # replaced by the units) and the states' 16 B per element / world again: 20 B per element
-    # (world 1). In RAM, the states (16 B) and the step's transients (stage 3's gathered units
-    # and the reductions' buffers, 4 B each at most) need more; with the weights and the
+    # at world 2 (per element of the rank's shard). In RAM, the states (16 B) and the step's
+    # transients (stage 3's gathered units and the reductions' buffers, 4 B each at most) need
+    # more. One rank with its shards in RAM gathers nothing ([Note: one rank's shard is its
+    # weights]), so there the budget is 4 B per element less: 16 B. With the weights and the
     # optimizer on NVMe the transients, the read-ahead and some of the optimizer fit.
-    headroom = MARGIN + _states_bytes() // world
+    headroom = MARGIN + _states_bytes() // world - (_states_bytes() // 4 if world == 1 else 0)
     results = run_world(_train, world, str(tmp_path), headroom, str(tmp_path / "cache"))
     for r in results:
         assert "error" not in r, r.get("error")

@@ -43,7 +43,8 @@ def _cfg(stage: int = 3, zero: dict | None = None, nvme: str | None = "/swap", *
 
 
 def _inputs(cfg, host: int | None, *, device: int | None = None, cuda: bool = False,
-            world: int = 1, process: int = 0, transients: int = 0, model=None) -> PlanInputs:
+            world: int = 1, process: int = 0, transients: int = 0, gathered: int = 0,
+            model=None) -> PlanInputs:
     model = model if model is not None else tiny_gpt(cfg=MODEL)
     recipe = recipe_from(model, None, None, cfg.optimizer)
     groups = group_parameters(model, select_modules(model, None), recipe.group_of)
@@ -54,7 +55,7 @@ def _inputs(cfg, host: int | None, *, device: int | None = None, cuda: bool = Fa
         budgets[DEVICE] = (device, "memory.device")
     return PlanInputs(cfg, groups, world, 0, cuda, PartitionPolicy.for_stage(cfg.zero_optimization.stage),
                       torch.float32, torch.float32, 1, recipe.kind, None, budgets,
-                      process_bytes=process, transient_bytes=transients)
+                      process_bytes=process, transient_bytes=transients, gathered_bytes=gathered)
 
 
 def _host_need(p) -> int:
@@ -413,3 +414,18 @@ def test_accumulation_holds_the_nvme_gradients_in_ram_where_the_budget_allows():
                                       accumulation=4), BW)
     assert not kept.chosen.choice.nvme_grads_held
     assert not any(p.choice.nvme_grads_held for p in kept.considered)
+
+
+@pytest.mark.parametrize("param, world, gathers", [("cpu", 1, False), ("nvme", 1, True), ("cpu", 2, True)])
+def test_a_placement_that_gathers_nothing_holds_no_gathered_peak(param, world, gathers):
+    """Of the transients, the gathered peak is held only where some unit gathers: not by one
+    rank whose host shards are its weights on this CPU; by one whose shards are files, or by two."""
+    cfg = _cfg(zero={"offload_optimizer": {"device": "cpu", "step_in_backward": False},
+                     "offload_param": {"device": param}})
+    plan = choose(_inputs(cfg, 1 << 30, world=world, transients=7 << 20, gathered=5 << 20), BW)
+    # every shard in RAM, or (nvme) every shard a file
+    seen = [p for p in plan.considered if not p.invalid and p.choice.param_max_in_cpu == 0]
+    assert seen
+    for p in seen:
+        held = p.checks["host"][3]["device transients (gathered weights, reductions)"]
+        assert held == (7 << 20 if gathers else 2 << 20), p.choice

@@ -19,6 +19,8 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    `process_bytes`) + memory.rss_margin (what no rule models: activations, allocator slack), and,
    where the compute device is this host's CPU, the device tier's bytes and the step's
    transients (stage 3's gathered peak, the reductions' buffers), which live in the same RAM;
+   a candidate none of whose units gathers (one rank, its shards in RAM: [Note: one rank's
+   shard is its weights]) holds no gathered peak;
    against memory.host, or without it the memory available (as the start-up check);
    device: the device tier's bytes + the transients, against memory.device; nvme: the nvme
    tier's bytes, against memory.nvme. A candidate over any is dropped.
@@ -152,6 +154,8 @@ class PlanInputs:
     host_available: tuple[int, str] | None = None  # without memory.host: per rank, and whence
     process_bytes: int = 0        # host bytes outside the ledger (RSS at initialize less the model)
     transient_bytes: int = 0      # gathered peak + reduction buffers, device tier
+    gathered_bytes: int = 0       # of transient_bytes, stage 3's gathered peak: none where no
+                                  # unit gathers ([Note: one rank's shard is its weights])
     rss_margin: int = 0
 
 
@@ -326,13 +330,16 @@ def _layouts(inputs: PlanInputs, placement: PlacementPolicy) -> list:
                         inputs.dtype, inputs.reduce, inputs.accumulation, placement)
 
 
-def _checks(inputs: PlanInputs, states: dict) -> dict:
+def _checks(inputs: PlanInputs, states: dict, layouts: list) -> dict:
     """check -> (bytes needed, limit or None, where the limit comes from, breakdown)."""
     host = {k: v for k, v in states[TierName.HOST].items() if v}
     device = {k: v for k, v in states[TierName.DEVICE].items() if v}
     nvme = {k: v for k, v in states[TierName.NVME].items() if v}
-    if inputs.transient_bytes:
-        device["transients (gathered weights, reductions)"] = inputs.transient_bytes
+    transients = inputs.transient_bytes
+    if not any(lay.gathers for lay in layouts):
+        transients -= inputs.gathered_bytes
+    if transients:
+        device["transients (gathered weights, reductions)"] = transients
     ram = dict(host)
     if not inputs.cuda:  # the device tier is this host's RAM
         ram.update({f"device {k}": v for k, v in device.items()})
@@ -393,7 +400,7 @@ def _predict(inputs: PlanInputs, cfg, placement: PlacementPolicy, out: Predictio
              bw: Bandwidths) -> Prediction:
     layouts = _layouts(inputs, placement)
     out.bytes = planned_bytes(cfg, placement, layouts, inputs.kind)
-    out.checks = _checks(inputs, out.bytes)
+    out.checks = _checks(inputs, out.bytes, layouts)
     if (placement.nvme or placement.params_on_nvme) and not (bw.disk_read and bw.disk_write):
         out.invalid = "no disk bandwidth measured (no nvme_path)"
         return out
@@ -403,8 +410,9 @@ def _predict(inputs: PlanInputs, cfg, placement: PlacementPolicy, out: Predictio
 
 
 def _host_fits(inputs: PlanInputs, cfg, placement: PlacementPolicy) -> bool:
-    states = planned_bytes(cfg, placement, _layouts(inputs, placement), inputs.kind)
-    need, limit, _, _ = _checks(inputs, states)["host"]
+    layouts = _layouts(inputs, placement)
+    states = planned_bytes(cfg, placement, layouts, inputs.kind)
+    need, limit, _, _ = _checks(inputs, states, layouts)["host"]
     return limit is None or need <= limit
 
 

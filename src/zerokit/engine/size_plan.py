@@ -91,6 +91,7 @@ class Sizes:
     gather: AllGatherRate | None = None
     room: int | None = None                 # transient bytes the budget left (the budget bound)
     transient_bytes: int = 0
+    gathered_bytes: int = 0                 # of transient_bytes: stage 3's gathered peak
 
     def explain(self) -> str:
         head = (f"sizes: {self.gather.describe()}" if self.gather else
@@ -139,7 +140,8 @@ def choose_sizes(facts: SizeFacts, room: int | None = None) -> Sizes:
     for k in bound:
         chosen[k] = values[k]
         why[k] = _why(k, bound[k], facts, values, lat)
-    return Sizes(values, chosen, bound, why, g, room, facts.transients(values))
+    return Sizes(values, chosen, bound, why, g, room, facts.transients(values),
+                 facts.gathered_bytes(values[PREFETCH]))
 
 
 def _within(facts: SizeFacts, values: dict, bound: dict, room: int, lat: int, grain: int) -> None:
@@ -239,6 +241,7 @@ def _placed(inputs, base, facts: SizeFacts, sizes: Sizes, bw):
     """The placement planned with `sizes` in the config the candidates read."""
     inputs.cfg = _with(base, sizes.chosen)
     inputs.transient_bytes = sizes.transient_bytes
+    inputs.gathered_bytes = sizes.gathered_bytes
     plan = planner.choose(inputs, bw)
     if SUB_GROUP in sizes.chosen and plan.chosen.choice.optimizer != "nvme":
         del sizes.chosen[SUB_GROUP], sizes.bound[SUB_GROUP]  # it means nothing there
