@@ -352,8 +352,8 @@ class Unit(GradientReduction):
             return
         if self.shard.device == own.device or not uses_streams(own):
             # A device shard; or offload_param on a CPU-only machine, where this is the same
-            # host -> "device" copy between two buffers, synchronous (with ranks: one rank's
-            # shard there is the weights, never gathered: see policy/layout.py).
+            # host -> "device" copy between two buffers, synchronous. Only with several ranks:
+            # one rank's shard there is the weights and never gathered (policy/layout.py).
             own.copy_(self.shard)
             self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
                                                        unit=self.index)
