@@ -1,9 +1,13 @@
 """Budgets (config "memory") enforced: at start-up against the plan, at every allocation by the
-ledger, and on the process's RSS after each step, with unaccounted memory reported once.
+ledger, and on the process's RSS through each step (its peak, with the phase), with unaccounted
+memory reported once.
 The byte counts the tests expect come from the model's parameters, not from the ledger."""
 from __future__ import annotations
 
+import gc
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -11,7 +15,7 @@ import torch
 import zerokit
 from harness import run_world
 from reference import tiny_gpt
-from zerokit.engine.host_budget import HostMemoryError
+from zerokit.engine.host_budget import HostMemoryError, RssWatch
 from zerokit.tiers.ledger import BudgetExceededError
 
 
@@ -66,8 +70,64 @@ def test_an_allocation_past_the_device_budget_fails_with_the_breakdown(world, cr
 
 def test_rss_past_the_host_budget_fails_after_the_step() -> None:
     engine = _engine({"host": "1MiB"}, stage=0)  # nothing planned on the host: start-up passes
-    with pytest.raises(BudgetExceededError, match=r"RSS, .* is past the host budget of 1\.0 MiB"):
+    with pytest.raises(BudgetExceededError, match=r"RSS, .* at its peak \(.*\), is past the host budget of 1\.0 MiB"):
         _step(engine)
+
+
+class _SpikeInForward(torch.nn.Module):
+    """tiny_gpt whose forward holds `spike` bytes of its own for a while and frees them before
+    it returns: a peak inside the step that a sample after the step cannot see."""
+
+    def __init__(self, spike: int):
+        super().__init__()
+        self.gpt, self.spike = tiny_gpt(), spike
+
+    def forward(self, x, y):
+        if self.spike:
+            held = torch.ones(self.spike // 4)  # pages touched: resident
+            time.sleep(4 * RssWatch.INTERVAL_S)
+            del held
+        return self.gpt(x, y)
+
+
+def test_an_rss_peak_inside_the_step_past_the_host_budget_fails_naming_its_phase() -> None:
+    torch.set_num_threads(1)
+    model = _SpikeInForward(0)
+    engine, *_ = zerokit.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 0}})
+    try:
+        _step(engine)
+        _step(engine)
+        # a budget 128 MiB above what the process holds now, and a 384 MiB spike in forward
+        engine.ledger.set_budget("host", RssWatch.rss() + 128 * 2**20, "test")
+        _step(engine)  # no spike: within the budget
+        model.spike = 384 * 2**20
+        with pytest.raises(BudgetExceededError, match=r"RSS, .* at its peak \(forward[^)]*\), is past the host budget"):
+            _step(engine)
+        assert RssWatch.rss() < engine.ledger.budget("host")  # back under it when the step ended
+    finally:
+        engine.destroy()
+
+
+def _watch_threads() -> list:
+    return [t for t in threading.enumerate() if t.name == "zerokit-rss-watch"]
+
+
+def test_the_rss_sampler_stops_when_the_engine_is_destroyed_or_dropped() -> None:
+    before = len(_watch_threads())
+    engine = _engine({}, stage=2)
+    assert len(_watch_threads()) == before + 1
+    engine.destroy()
+    assert len(_watch_threads()) == before
+    engine = _engine({}, stage=3)
+    _step(engine)
+    del engine
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while len(_watch_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_watch_threads()) == before
 
 
 def test_injected_drift_is_reported_once() -> None:

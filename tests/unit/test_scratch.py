@@ -150,3 +150,59 @@ def test_a_request_up_to_the_slack_smaller_shares_an_idle_buffer() -> None:
     assert far.data_ptr() != address
     give_back()
     assert nvme.GRAD_CHUNK_BYTES <= WRITES_IN_FLIGHT_BYTES
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+@pytest.mark.parametrize("freed_by", ["idle_limit", "end_step", "drop_idle"])
+def test_a_buffer_the_cache_frees_is_freed_while_its_give_back_is_still_held(freed_by) -> None:
+    """RSS, not the cache's counters: a gradient file's write record keeps the give-back function
+    until its range is next settled (a micro-step later); the buffer must not live that long."""
+    ledger = Ledger(cpu_is_device=False)
+    if freed_by == "idle_limit":
+        ledger.scratch.idle_limit = 0  # given back = freed
+    n = 256 * MiB
+    buf, give_back = ledger.scratch.take("buffers", n, torch.uint8, TierName.HOST)
+    buf.fill_(1)  # faulted in: resident
+    del buf
+    held = [give_back]  # as a write record holds it
+    before = _rss()
+    give_back()
+    if freed_by == "end_step":
+        ledger.end_step()  # taken this step: kept
+        ledger.end_step()  # not taken this step: freed
+    elif freed_by == "drop_idle":
+        ledger.scratch.drop_idle()
+    assert ledger.cached_bytes() == 0 and ledger.bytes(TierName.HOST) == 0
+    fell = before - _rss()
+    assert fell > 200 * MiB, f"RSS fell by {fell / MiB:.0f} MiB after freeing a 256 MiB buffer"
+    assert held
+
+
+def test_a_write_window_record_holds_no_buffer_once_written(tmp_path) -> None:
+    """A write's record (tiers/nvme.py _WindowWrite) outlives the write in its file's list; once
+    the write has ended and its buffer gone back to a cache that frees it, RSS falls."""
+    from zerokit.tiers.nvme import NvmeTier
+
+    ledger = Ledger(cpu_is_device=False)
+    ledger.scratch.idle_limit = 0
+    tier = NvmeTier(ledger, tmp_path)
+    tier.write_window.limit = 1 << 40  # the record stays open until waited here
+    try:
+        rng = tier.allocate("g", "grads", 64 * MiB, torch.float32)
+        buf, give_back = ledger.scratch.take("buffers", rng.numel, torch.float32, TierName.HOST)
+        buf.fill_(1.0)
+        record = tier.write_window.add(tier.write(rng, buf), rng.nbytes, give_back)
+        del buf, give_back
+        before = _rss()
+        assert record.open
+        record.wait()
+        fell = before - _rss()
+        assert fell > 200 * MiB, f"RSS fell by {fell / MiB:.0f} MiB once the 256 MiB write ended"
+        assert not record.open
+    finally:
+        tier.close()

@@ -162,6 +162,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     engine.placement = placement
     engine.rss_watch = host_budget.RssWatch(ledger, parse_size(cfg.memory.rss_margin, "memory.rss_margin"),
                                             comm.device.type == "cpu")
+    engine._attachment.watches.append(engine.rss_watch)
     if nvme is not None:  # closed (files removed) when the engine is released, after the units
         engine._attachment.tiers.append(nvme)
         engine.nvme_tier = nvme

@@ -53,6 +53,7 @@ class Attachment:
         self.sharded = sharded  # stage 3: the model cannot work without the engine
         self.hooks: list = []  # RemovableHandles of the hooks on the model
         self.executors: list = []  # optimizer executors, whose worker threads may be running
+        self.watches: list = []  # engine/host_budget.py RssWatch: its sampling thread stops
         self.tiers: list = []  # nvme tiers (weight shard files): closed, files removed, at release
         self.released = False
 
@@ -66,6 +67,8 @@ class Attachment:
         self.hooks.clear()
         for executor in self.executors:
             executor.close()
+        for watch in self.watches:
+            watch.close()
         for u in self.units:
             # A weight publish in flight: every rank issued its collective, so finishing it here
             # needs no peer to act; its buffers must not be freed under the backend.
@@ -82,4 +85,4 @@ class Attachment:
         if self.sharded:
             self.module.register_forward_pre_hook(functools.partial(_detached, how), prepend=True)
         self.comm.close()
-        self.module, self.units, self.executors = None, [], []
+        self.module, self.units, self.executors, self.watches = None, [], [], []

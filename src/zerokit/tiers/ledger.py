@@ -13,8 +13,9 @@ from __future__ import annotations
 # allocates (`check_room`), bytes counted after the fact (torch's optimizer state, a gathered
 # buffer) when they are counted; crossing it raises BudgetExceededError with the tier's
 # breakdown by kind and the allocation that crossed, and the count is left as it was. The
-# process's RSS is checked against the host budget after each step (engine/host_budget.py
-# RssWatch), which also reports memory the ledger does not account for.
+# process's RSS is sampled through each step and its peak checked against the host budget when
+# the step ends (engine/host_budget.py RssWatch), which also reports memory the ledger does not
+# account for.
 
 from collections import defaultdict
 from typing import Callable
@@ -136,6 +137,11 @@ class Ledger:
         tier = TierName(tier)
         self._tier_now[tier] += nbytes
         self._cached[tier] += nbytes
+
+    def held(self, tier: str) -> int:
+        """Everything `tier` holds now: every kind and the idle scratch buffers (one read, safe
+        from another thread: the RSS watch's sampler)."""
+        return self._tier_now.get(TierName(tier), 0)
 
     def cached_bytes(self, tier: str | None = None) -> int:
         """Bytes of idle scratch buffers kept for reuse (tiers/scratch.py)."""

@@ -177,7 +177,8 @@ class _WindowWrite:
             if self.open:
                 self.open = False
                 self.window.closed(self)
-                self._give_back()
+                give_back, self._give_back = self._give_back, None
+                give_back()
 
 
 class WriteWindow:

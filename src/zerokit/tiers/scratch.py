@@ -26,7 +26,11 @@ sizes every step, so they are taken from and given back to a cache keyed by thei
   file, so 20 units' windows were in flight, which no plan counted; they share the tier's
   window now, tiers/nvme.py WriteWindow.)
 Host memory only (CPU tensors): a CUDA device has its allocator's own cache. Whoever gives a
-buffer back must hold no view of it (the next `take` of that size writes into it).
+buffer back must hold no view of it (the next `take` of that size writes into it), and the
+function that gave it back holds none either: at 1B with accumulation 4, the gradient files'
+write records kept their give-back functions from one micro-step's backward to the next, and
+with them 1.1-2.6 GiB of buffers the cache had freed (over `idle_limit`) and the ledger no
+longer counted: RSS crossed a host budget the ledger kept.
 """
 from __future__ import annotations
 
@@ -98,16 +102,19 @@ class ScratchCache:
         released = False
 
         def give_back() -> None:
-            nonlocal released
+            # Drops this function's own reference: whoever still holds the function (a write's
+            # record until its range is next settled) must not keep a freed buffer alive.
+            nonlocal released, raw
             if released:
                 return
             released = True
+            buffer, raw = raw, None
             with self._lock:
                 self._ledger.count(tier, kind, -key[1])
                 if self.idle_limit is not None and self._idle_total + key[1] > self.idle_limit:
                     return  # freed: more idle than the plan counts
                 self._ledger.count_cached(tier, key[1])
-                self._idle[key].append(raw)
+                self._idle[key].append(buffer)
                 self._idle_total += key[1]
         return raw[:nbytes].view(dtype), give_back
 
