@@ -356,7 +356,8 @@ class MemoryConfig(Section):
         None, description="zerokit: this rank's host-memory budget, bytes or a size ('20GiB'), or "
                           "'auto' (the memory the system or cgroup has available at initialize, less "
                           "10%, shared by the ranks on the machine). Allocations past it fail with "
-                          "the breakdown; the process RSS is checked against it after each step.")
+                          "the breakdown; the process RSS is sampled through each step and its peak "
+                          "checked against it when the step ends.")
     device: Int | str | None = Field(
         None, description="zerokit: this rank's device-memory budget (bytes or a size).")
     nvme: Int | str | None = Field(

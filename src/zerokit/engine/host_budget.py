@@ -202,7 +202,7 @@ class RssWatch:
 
     @staticmethod
     def rss() -> int:
-        return psutil.Process().memory_info().rss
+        return _resident_bytes()
 
     def counted(self) -> int:
         """What the ledger holds in host memory: the bytes of every kind and the idle scratch
@@ -251,6 +251,28 @@ class RssWatch:
                 "this is reported once",
                 size(rss), phase, size(counted), size(self.baseline), size(drift), size(self.margin))
         return drift
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_statm: tuple[int, int | None] = (-1, None)  # (pid, fd): a forked child opens its own
+
+
+def _resident_bytes() -> int:
+    """This process's RSS: /proc/self/statm's resident pages, the file held open (a sample is one
+    pread, ~2 microseconds, against psutil's ~30); psutil where there is no /proc."""
+    global _statm
+    pid = os.getpid()
+    if _statm[0] != pid:
+        try:
+            _statm = (pid, os.open("/proc/self/statm", os.O_RDONLY))
+        except OSError:
+            _statm = (pid, None)
+    if _statm[1] is not None:
+        try:
+            return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
+        except (OSError, IndexError, ValueError):
+            pass
+    return psutil.Process().memory_info().rss
 
 
 def _watch(ref: "weakref.ref[RssWatch]", stop: threading.Event, interval_s: float) -> None:
