@@ -41,3 +41,46 @@ def test_freed_heap_pages_go_back_to_the_os() -> None:
     assert m["filled"] - m["freed"] < 100 * mib, m
     assert m["freed"] - m["after"] > 500 * mib, m
     assert abs(m["released"] - (m["freed"] - m["after"])) < 50 * mib, m
+
+
+# The heap garbage of the script above, then initialize: its layout (16-bit weights, fp32
+# master, gradients and Adam state of a 25M-parameter model: ~400 MiB) must not stack on the
+# garbage, which initialize hands back before the layout allocates. The peak is the kernel's
+# (VmHWM, reset just before initialize).
+INIT_SCRIPT = r"""
+import json, psutil, torch
+rss = lambda: psutil.Process().memory_info().rss
+model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)])
+x = torch.ones(4 << 20)
+del x
+keep, big = [], []
+for _ in range(150):
+    big.append(torch.ones(1 << 20))
+    keep.append(torch.ones(16))
+del big
+import zerokit
+torch.set_num_threads(1)
+freed = rss()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+engine, *_ = zerokit.initialize(model=model, config={
+    "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+with open("/proc/self/status") as f:
+    peak = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+print(json.dumps({"freed": freed, "peak": peak, "after": rss(),
+                  "host": engine.ledger.held("host"), "device": engine.ledger.held("device")}))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_initialize_hands_the_heaps_garbage_back_before_the_layout_allocates() -> None:
+    out = subprocess.run([sys.executable, "-c", INIT_SCRIPT], capture_output=True, text=True, check=True)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    mib = 2 ** 20
+    laid_out = m["host"] + m["device"]
+    assert laid_out > 300 * mib, m  # the premise: the layout allocates a garbage's worth
+    # the garbage was resident, then handed back: the layout came on top of less than it
+    assert m["freed"] + laid_out - m["after"] > 300 * mib, {k: v / mib for k, v in m.items()}
+    # stacked, the peak would be the garbage plus the layout; handed back first, about the larger
+    assert m["peak"] - m["freed"] < 0.5 * laid_out, {k: v / mib for k, v in m.items()}

@@ -17,8 +17,8 @@ while backward computes the units between.
 - `limit` 0 reads nothing ahead: each range is read when asked for.
 - Thread-safe: backward asks from the main thread while a delayed update's stream, on its
   worker, zero-fills the other gradient file (`forget`).
-- The buffers are the ledger's scratch buffers (kind "buffers"): the plan counts `limit` for
-  them (engine/byte_plan.py `gradient_file_io`); a read-ahead that would cross a budget is not
+- The buffers are the ledger's scratch buffers (kind "buffers", host tier): the plan counts
+  `limit` for them (engine/byte_plan.py `gradient_file_io`); a read-ahead that would cross a budget is not
   issued (the range is then read when asked for).
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from zerokit.io.file_range import FileRange
+from zerokit.tier_names import TierName
 
 Ready = Callable[[FileRange], bool]
 
@@ -106,7 +107,10 @@ class ReadAhead:
 
     # ---- internals ---------------------------------------------------------------------------
     def _take(self, rng: FileRange) -> tuple[torch.Tensor, Callable[[], None]]:
-        return self.tier.ledger.scratch.take("buffers", rng.numel, rng.dtype)
+        # host buffers, as the pieces' write buffers (parts/nvme.py) and as the plan counts both
+        # (engine/byte_plan.py `gradient_write_bytes`): on a CPU-only run "device" would escape
+        # the host budget's check and keep them apart from the write buffers in the cache
+        return self.tier.ledger.scratch.take("buffers", rng.numel, rng.dtype, TierName.HOST)
 
     def _next_round(self) -> None:
         self.drop()
