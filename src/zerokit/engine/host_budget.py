@@ -181,9 +181,9 @@ class RssWatch:
     sample (`sample`). Past the budget it raises; above what the ledger counts in host memory (the
     host tier, and the device tier on a CPU-only run) plus the RSS at start-up by more than
     `margin`, it warns once, with the numbers (unaccounted memory is a bug to find). Sampled after
-    the step only, a 1B run with accumulation 4 peaked at 6.27 GiB against a 5.69 GiB budget during
-    backward and was back at 4.4 GiB when the step returned: nothing was reported. A sample reads
-    /proc/self/statm (tens of microseconds), 20 a second."""
+    the step only, a 1B run with accumulation 4 peaked at 6.27 GiB against a 5.69 GiB budget in
+    forward and backward and was back at 4.4 GiB when the step returned: nothing was reported.
+    A sample is one read of /proc/self/statm (a few microseconds), 20 a second."""
 
     INTERVAL_S = 0.05
 

@@ -18,8 +18,8 @@ while backward computes the units between.
 - Thread-safe: backward asks from the main thread while a delayed update's stream, on its
   worker, zero-fills the other gradient file (`forget`).
 - The buffers are the ledger's scratch buffers (kind "buffers", host tier): the plan counts
-  `limit` for them (engine/byte_plan.py `gradient_file_io`); a read-ahead that would cross a budget is not
-  issued (the range is then read when asked for).
+  `limit` for them (engine/byte_plan.py `gradient_file_io`); a read-ahead that would cross a
+  budget is not issued (the range is then read when asked for).
 """
 from __future__ import annotations
 
