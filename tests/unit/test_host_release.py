@@ -84,3 +84,44 @@ def test_initialize_hands_the_heaps_garbage_back_before_the_layout_allocates() -
     assert m["freed"] + laid_out - m["after"] > 300 * mib, {k: v / mib for k, v in m.items()}
     # stacked, the peak would be the garbage plus the layout; handed back first, about the larger
     assert m["peak"] - m["freed"] < 0.5 * laid_out, {k: v / mib for k, v in m.items()}
+
+
+# A model built under zero.Init with its weights on NVMe: initialize gathers each construction
+# unit's weights (pieces under glibc's mmap threshold, so into the heap) to lay them out, then
+# retires them. Handed back unit by unit, that garbage never stacks up under the layout: setup's
+# peak is the laid-out engine's RSS. Without it the peak was one model's bf16 weights above.
+ZERO_INIT_SCRIPT = r"""
+import json, psutil, tempfile, torch
+import zerokit
+rss = lambda: psutil.Process().memory_info().rss
+torch.set_num_threads(1)
+x = torch.ones(8 << 20); del x  # 32 MiB freed: glibc serves blocks below that from the heap
+d = tempfile.mkdtemp()  # the construction's weight files (removed as initialize lays them out)
+cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+       "bf16": {"enabled": True},
+       "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": d},
+                             "offload_optimizer": {"device": "nvme", "nvme_path": d}}}
+with zerokit.zero.Init(config_dict_or_path=cfg, remote_device="nvme", dtype=torch.bfloat16):
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 2048) for _ in range(32)])
+weights = sum(p.ds_numel for p in model.parameters()) * 2
+cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+engine, *_ = zerokit.initialize(model=model, config=cfg)
+with open("/proc/self/status") as f:
+    peak = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+print(json.dumps({"peak": peak, "after": rss(), "weights": weights}))
+engine.destroy()
+import shutil; shutil.rmtree(d, ignore_errors=True)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_initialize_hands_zero_inits_gathered_weights_back_unit_by_unit() -> None:
+    out = subprocess.run([sys.executable, "-c", ZERO_INIT_SCRIPT], capture_output=True, text=True,
+                         check=True)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    mib = 2 ** 20
+    assert m["weights"] > 100 * mib, m
+    assert m["peak"] - m["after"] < 0.25 * m["weights"], {k: v / mib for k, v in m.items()}

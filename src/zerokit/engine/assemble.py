@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from typing import Any, Iterable
 
@@ -119,6 +120,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     # At 1B built under zero.Init it was 2.0 GiB, and the layout's 2.6 GiB stacked on it: setup
     # peaked at 5.26 GiB against a 5.69 GiB budget whose steps peaked at 4.57.
     release_free_host_memory("initialize, before the layout")
+    trimmed = 0  # zero.Init's gathered weights, handed back unit by unit (below)
     units = []
     gathered: list[Unit] = []  # construction units gathered for a unit, some parameters not yet laid out
     for (name, module, group, trainable, params), layout in zip(groups, layouts):
@@ -133,7 +135,17 @@ def initialize(model: nn.Module, optimizer: Any = None,
                           reduce_dtype=reduce_dtype(cfg),
                           bucket_numel=cfg.zero_optimization.reduce_bucket_size, ledger=ledger,
                           grad_accum_steps=batch[2], layout=layout, nvme=nvme))
-        gathered = retire_laid_out(gathered)
+        still = retire_laid_out(gathered)
+        if len(still) < len(gathered):
+            # The retired construction units' gathered weights went to the heap (pieces under
+            # glibc's mmap threshold): handed back now, they do not stack up under the next
+            # units' layout (at 1B: 1.4 GiB by the end of the loop).
+            trimmed += release_free_host_memory("initialize", quiet=True)
+        gathered = still
+    if trimmed >= 64 << 20:
+        logging.getLogger("zerokit").info(
+            "initialize: returned %.0f MiB of zero.Init's gathered weights to the OS, unit by unit",
+            trimmed / 2**20)
     retire_constructed(model)
     leaf_params = leaf_parameter_ids(model)
     for index, unit in enumerate(units):
@@ -251,8 +263,6 @@ def _speculation_fits(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
     if need.total * ranks <= avail:
         return True
     if rank == 0:
-        import logging
-
         held, restores, _ = host_budget.speculation_need(layouts, kind, placement.master_dtype,
                                                          placement.state_dtype)
         logging.getLogger("zerokit").warning(
@@ -289,8 +299,6 @@ def _auto_ratio(placement: PlacementPolicy, plan, device: torch.device, dtype: t
                 ) -> PlacementPolicy:
     """ratio "auto": measured rates and the device memory free now (before the units' buffers
     exist: the layout is planned from the ratio), over the optimizer elements of this rank."""
-    import logging
-
     from zerokit.engine.auto_ratio import choose_ratio
 
     all_on_device = plan(dataclasses.replace(placement, ratio=0.0, auto=False))

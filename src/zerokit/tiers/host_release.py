@@ -7,8 +7,9 @@ free. Measured at 1B parameters (benchmarks/bench_infinity.py, zk-inf-ds): after
 heap held 2.5 GB of which 0.33 GB was in use, and RSS stayed 2.1 GiB above what the engine holds
 for the whole run. `malloc_trim(0)` hands every free page of the heap back (madvise), leaving the
 free lists as they were: later allocations reuse the addresses and fault in only what they touch.
-Called where zerokit has just freed much (after initialize, a checkpoint load, destroy); a no-op
-where the C library has no malloc_trim (musl, macOS).
+Called where zerokit has just freed much (initialize: before the layout, after each unit that
+retired zero.Init's gathered weights, and at its end; a checkpoint load; destroy); a no-op where
+the C library has no malloc_trim (musl, macOS).
 """
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ except (OSError, AttributeError):
     _trim = None
 
 
-def release_free_host_memory(why: str) -> int:
-    """Returns the heap's free pages to the kernel; the bytes RSS fell by (0 where unsupported)."""
+def release_free_host_memory(why: str, quiet: bool = False) -> int:
+    """Returns the heap's free pages to the kernel; the bytes RSS fell by (0 where unsupported).
+    quiet: the caller logs the sum of many calls."""
     if _trim is None:
         return 0
     proc = psutil.Process()
     before = proc.memory_info().rss
     _trim(0)
     released = max(0, before - proc.memory_info().rss)
-    if released >= 64 << 20:
+    if released >= 64 << 20 and not quiet:
         log.info("%s: returned %.0f MiB of freed host memory to the OS", why, released / 2**20)
     return released
