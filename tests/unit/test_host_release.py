@@ -14,15 +14,18 @@ import pytest
 # free, so free() keeps the pages), free them, then release. zerokit is imported after: with its
 # optimizer package loaded first, free() already gave these blocks back here (seen, cause not
 # pinned down); the engine's own process kept 2.1 GiB (see zerokit/tiers/host_release.py).
-SCRIPT = r"""
-import json, psutil, torch
-rss = lambda: psutil.Process().memory_info().rss
+HEAP_GARBAGE = r"""
 x = torch.ones(4 << 20)
 del x
 keep, big = [], []
 for _ in range(150):
     big.append(torch.ones(1 << 20))
     keep.append(torch.ones(16))
+"""
+SCRIPT = r"""
+import json, psutil, torch
+rss = lambda: psutil.Process().memory_info().rss
+""" + HEAP_GARBAGE + r"""
 filled = rss()
 del big
 freed = rss()
@@ -51,12 +54,7 @@ INIT_SCRIPT = r"""
 import json, psutil, torch
 rss = lambda: psutil.Process().memory_info().rss
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)])
-x = torch.ones(4 << 20)
-del x
-keep, big = [], []
-for _ in range(150):
-    big.append(torch.ones(1 << 20))
-    keep.append(torch.ones(16))
+""" + HEAP_GARBAGE + r"""
 del big
 import zerokit
 torch.set_num_threads(1)
