@@ -110,24 +110,23 @@ def test_an_rss_peak_inside_the_step_past_the_host_budget_fails_naming_its_phase
         engine.destroy()
 
 
-def _watch_threads() -> list:
-    return [t for t in threading.enumerate() if t.name == "zerokit-rss-watch"]
+def _ends(thread: threading.Thread) -> bool:
+    thread.join(timeout=5)
+    return not thread.is_alive()
 
 
 def test_the_rss_sampler_stops_when_the_engine_is_destroyed_or_dropped() -> None:
-    before = len(_watch_threads())
     engine = _engine({}, stage=2)
-    assert len(_watch_threads()) == before + 1
+    thread = engine.rss_watch._thread
+    assert thread.name == "zerokit-rss-watch" and thread.is_alive()
     engine.destroy()
-    assert len(_watch_threads()) == before
+    assert not thread.is_alive()  # destroy joined it
     engine = _engine({}, stage=3)
     _step(engine)
-    del engine
+    thread = engine.rss_watch._thread
+    del engine  # dropped without destroy: collected, its attachment stops the thread
     gc.collect()
-    deadline = time.monotonic() + 5
-    while len(_watch_threads()) > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(_watch_threads()) == before
+    assert _ends(thread)
 
 
 def test_injected_drift_is_reported_once() -> None:
