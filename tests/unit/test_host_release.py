@@ -47,7 +47,7 @@ def test_freed_heap_pages_go_back_to_the_os() -> None:
 
 
 # The heap garbage of the script above, then initialize: its layout (16-bit weights, fp32
-# master, gradients and Adam state of a 25M-parameter model: ~400 MiB) must not stack on the
+# master, gradients and Adam state of a 25M-parameter model: ~670 MiB) must not stack on the
 # garbage, which initialize hands back before the layout allocates. The peak is the kernel's
 # (VmHWM, reset just before initialize).
 INIT_SCRIPT = r"""
