@@ -41,10 +41,11 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
                (issue #27): the same placement keys and budget, 2-byte master, gradient and state
                files (e.g. zk-inf-bf16, zk-inf-ds-bf16). A second table sets each beside its
                fp32-state row of the same run: bytes read and written per step, disk, s/step.
-Models: 125m, 1b, 3b, 4b and 7b (7.11B). Disk, by expected_disk_bytes: zk-inf-files 18 B per
-parameter (bf16 weights 2, fp32 master 4, gradients 4, moments 8), zk-inf-files-bf16 10 (2 + 2 + 2
-+ 4), a row stepping in backward (zk-inf, -sib) 26 / 14 (no gradient files, but a second slot of
-master and moments). At 7b only the -bf16 rows not stepping in backward fit this VM's disk:
+Models: 125m, 1b, 3b, 4b and 7b (7.11B). Disk, by expected_disk_bytes: zk-inf-files 16 B per
+parameter at accumulation 1 (bf16 weights 2, fp32 master 4, bf16 gradients 2, moments 8; the
+gradients fp32, 18 B, with accumulation, and in ds-inf), zk-inf-files-bf16 10 (2 + 2 + 2 + 4), a
+row stepping in backward (zk-inf, -sib) 26 / 14 (no gradient files, but a second slot of
+master and moments). At 4b zk-inf-files needs 69.6 GB (64.8 GiB). At 7b only the -bf16 rows not stepping in backward fit this VM's disk:
 zk-inf-files-bf16 needs 71.1 GB (66.2 GiB) of 76.5 GiB free, passing the default --min-free-gib
 10 by ~0.3 GiB; a budgeted -bf16 row (zk-inf-8g-bf16) as much if its planner does not step in
 backward (if it does: 14 B per parameter, 99.5 GB, more than the disk holds; not tried).
@@ -219,17 +220,21 @@ def n_params(model: str) -> int:
     return layers * block + 2 * VOCAB * width + SEQ * width + 2 * width  # untied head
 
 
-def expected_disk_bytes(model: str, row: str) -> int:
+def expected_disk_bytes(model: str, row: str, accumulation: int = 1) -> int:
     """Files per parameter, at most: bf16 weight shards (2 B), the master and Adam's two moments
-    (fp32: 4 + 8; a -bf16 row: 2 + 4) and the gradient files (4; 2). A row stepping in backward
-    (zk-inf, -sib) has no gradient files but the speculative step's second slot of master and moments
-    (engine/assemble.py _check_nvme): fp32 18 / -sib 26 B, -bf16 10 / -sib 14 B. The budgeted
-    rows are counted without stepping in backward (the planner may choose it and keep part of
-    the model in RAM; zerokit's own disk check refuses a plan the disk cannot hold)."""
-    m = 2 if _bf16_state(row) else 4  # master and gradient bytes per element; moments 2 m
+    (fp32: 4 + 8; a -bf16 row: 2 + 4) and the gradient files (DeepSpeed: the master's dtype, 4 /
+    2; zerokit at accumulation 1: bf16, 2, offload_optimizer.gradient_dtype 'auto'). A row
+    stepping in backward (zk-inf, -sib) has no gradient files but the speculative step's second
+    slot of master and moments (engine/assemble.py _check_nvme): zerokit fp32 16 (accumulation >
+    1: 18) / -sib 26 B, -bf16 10 / -sib 14 B; DeepSpeed 18. The budgeted rows are counted without
+    stepping in backward (the planner may choose it and keep part of the model in RAM;
+    zerokit's own disk check refuses a plan the disk cannot hold)."""
+    m = 2 if _bf16_state(row) else 4  # master bytes per element; moments 2 m
+    zerokit = ROWS[row][0] == "zerokit"
+    grad = 2 if zerokit and accumulation == 1 else m
     # None: zerokit's default, on (a zerokit row without a budget)
-    sib = ROWS[row][0] == "zerokit" and not _budgeted(row) and _steps_in_backward(row) is not False
-    files = 2 + m + 2 * m + (m + 2 * m if sib else m)
+    sib = zerokit and not _budgeted(row) and _steps_in_backward(row) is not False
+    files = 2 + m + 2 * m + (m + 2 * m if sib else grad)
     return files * n_params(model)
 
 
@@ -628,7 +633,7 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None, dd:
     res = {"row": name, "model": model, "label": label, "budget_gib": budget, "clipping": clipping,
            "accumulation": args.accumulation}
     free = shutil.disk_usage(parent).free
-    need = expected_disk_bytes(model, name)
+    need = expected_disk_bytes(model, name, args.accumulation)
     if free - need < args.min_free_gib * GiB:
         res.update(status="skipped", reason=f"needs ~{need / GiB:.1f} GiB on disk, {free / GiB:.1f} free "
                                             f"(keeping {args.min_free_gib} GiB)")

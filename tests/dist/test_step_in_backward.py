@@ -101,7 +101,10 @@ def test_step_in_backward_equals_the_step(tmp_path, device, stage, dtype, world,
             n = sib[r]["nvme_numel"]
             assert n > 0 and sib[r]["nvme_bytes"] == 24 * n  # master and moments, two slots
             assert sib[r]["io"]["bytes_read"] == sib[r]["io"]["bytes_written"] == 12 * n
-            assert base[r]["io"]["bytes_read"] == 16 * n
+            # stepped in step(): the gradient file too, bf16 at one rank ([Note: 16-bit
+            # offloaded gradients] in engine/precision.py)
+            grad = 2 if dtype == "bf16" and world == 1 else 4
+            assert base[r]["io"]["bytes_read"] == (12 + grad) * n
 
 
 @pytest.mark.parametrize("device", slow_except(["cpu", "nvme"], fast=["nvme"]))

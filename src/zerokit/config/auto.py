@@ -28,7 +28,9 @@ HIDDEN_SIZE_KEYS = {  # zero_optimization key -> its value from the hidden size 
 # zerokit's own "auto" values (not DeepSpeed's): left to the schema.
 NATIVE_AUTO = {"zero_optimization.offload_optimizer.ratio", "memory.host",
                "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device",
-               "zero_optimization.offload_optimizer.step_in_backward"}
+               "zero_optimization.offload_optimizer.step_in_backward",
+               "zero_optimization.offload_optimizer.nvme_gradients",
+               "zero_optimization.offload_optimizer.gradient_dtype"}
 # What the HF Trainer fills each other "auto" from (transformers/integrations/deepspeed.py).
 FILLED_BY_HF = {
     "gradient_clipping": "TrainingArguments.max_grad_norm",

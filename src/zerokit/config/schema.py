@@ -108,6 +108,17 @@ class OffloadOptimizerConfig(Section):
                             "no I/O. 'auto' (the default): held while stepping in backward, "
                             "else 'file', or the placement planner's choice under a memory "
                             "budget. 'host' is refused with delayed_update (it would hold two).")
+    gradient_dtype: Literal["auto", "master"] = Field(
+        "auto", description="zerokit, device 'cpu' or 'nvme': the dtype the offloaded gradients "
+                            "wait for the step in (host buffers, held gradients, NVMe gradient "
+                            "files). 'auto' (the default): the reduced gradient's own 16-bit dtype "
+                            "where it holds every value exactly, i.e. bf16/fp16 training with "
+                            "gradient_accumulation_steps 1, reduced in 16 bits or on one rank: "
+                            "half the bytes of fp32 in RAM and on disk, half the gradient I/O, "
+                            "and the step reads the same values; else the master's. 'master': "
+                            "the master's dtype always (fp32: DeepSpeed's). With a 16-bit "
+                            "gradient, a second backward into it before step() (accumulating "
+                            "without gradient_accumulation_steps) is refused, naming this key.")
     max_in_cpu: Int = Field(
         0, ge=0, description="zerokit (offload_param.max_in_cpu's precedent), device 'nvme': "
                              "optimizer elements per rank whose master, state and gradient stay "

@@ -28,7 +28,7 @@ from zerokit.parts.nvme_executor import NvmeExecutor
 from zerokit.engine.byte_plan import (gradient_file_io, gradient_write_bytes, plan_layouts,
                                      planned_host_need, reduce_buffer_bytes, stream_settings)
 from zerokit.optim.recipe import build_optimizer, recipe_from
-from zerokit.engine.precision import compute_dtype, reduce_dtype
+from zerokit.engine.precision import compute_dtype, reduce_dtype, with_gradient_dtype
 from zerokit.engine.lr_schedules import build_scheduler
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.tiers import Ledger
@@ -83,6 +83,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
                              comm.device.type == "cuda", policy, dtype, reduce_dtype(cfg), batch[2])
     # bf16 master / state (their bytes are what "auto" weighs, and everything below counts)
     placement = bf16_state.with_state_dtypes(cfg, placement, optimizer)
+    placement = with_gradient_dtype(cfg, placement, comm.world_size, batch[2])
     if placement.auto:
         placement = _auto_ratio(placement, plan, comm.device, dtype)
     # Where every byte goes is decided here, before anything is allocated: a plan the host
@@ -264,7 +265,8 @@ def _speculation_fits(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
         return True
     if rank == 0:
         held, restores, _ = host_budget.speculation_need(layouts, kind, placement.master_dtype,
-                                                         placement.state_dtype)
+                                                         placement.state_dtype,
+                                                         placement.gradient_dtype)
         logging.getLogger("zerokit").warning(
             "zerokit: offload_optimizer.step_in_backward off: the plan with it needs %s of host "
             "memory per rank (%s of it gradients held until the step decides and %s of restores) "

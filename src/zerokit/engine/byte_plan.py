@@ -71,14 +71,16 @@ def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
     need = host_budget.host_need(layouts, kind, placement.state_dtype)
     if placement.step_in_backward:  # gradients held until the step decides, and the restores
         held, need.restores, _ = host_budget.speculation_need(layouts, kind, placement.master_dtype,
-                                                              placement.state_dtype)
+                                                              placement.state_dtype,
+                                                              placement.gradient_dtype)
         need.grads += held
     elif placement.holds_nvme_gradients:  # the nvme parts' gradients (host parts': records)
-        need.grads += placement.master_dtype.itemsize * sum(lay.nvme_numel for lay in layouts)
+        need.grads += placement.gradient_dtype.itemsize * sum(lay.nvme_numel for lay in layouts)
     largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
     if largest:
         need.buffers += buffer_set_bytes(stream_settings(cfg, placement), kind, largest,
-                                         placement.master_dtype, placement.state_dtype)
+                                         placement.master_dtype, placement.state_dtype,
+                                         placement.gradient_dtype)
     need.buffers += gradient_write_bytes(layouts)
     shards = [lay.record("shard") for lay in layouts if lay.has("shard_buffer")]
     if shards:  # the shards read ahead (buffer_count) and the one a gather reads now: at most

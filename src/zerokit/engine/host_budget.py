@@ -69,16 +69,19 @@ def host_need(layouts: list, optimizer_kind: str | None,
 
 def speculation_need(layouts: list, optimizer_kind: str | None,
                      master_dtype: torch.dtype = torch.float32,
-                     state_dtype: torch.dtype = torch.float32) -> tuple[int, int, int]:
+                     state_dtype: torch.dtype = torch.float32,
+                     grad_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
     """step_in_backward's bytes on this rank ([Note: the speculative step] in
     parts/speculation.py): (gradients held in host memory until the step decides, every
     offloaded element's; the host parts' restores: master, state and 16-bit output; the nvme
     parts' second file slot: master and state). A host part's held gradient and restores are in
     its master's and state's dtypes (bf16.bf16_master_weights_and_grads / bf16_optimizer_states),
-    as are an nvme part's held gradient and second file slot."""
+    as are an nvme part's second file slot; the held gradients are in grad_dtype (placement.
+    gradient_dtype; None: the master's)."""
     master = torch.empty(0, dtype=master_dtype).element_size()
+    grad = torch.empty(0, dtype=grad_dtype or master_dtype).element_size()
     state = state_bytes_per_element(optimizer_kind, state_dtype)
-    held = sum(master * (lay.host_numel + lay.nvme_numel) for lay in layouts)
+    held = sum(grad * (lay.host_numel + lay.nvme_numel) for lay in layouts)
     out16 = sum(lay.record("host_out16").nbytes for lay in layouts if lay.has("host_out16"))
     host = sum((master + state) * lay.host_numel for lay in layouts) + out16
     return held, host, sum((master + state) * lay.nvme_numel for lay in layouts)

@@ -65,6 +65,7 @@ from zerokit.engine import bf16_state, nvme_plan
 from zerokit.engine.auto_ratio import balance
 from zerokit.engine.bandwidths import Bandwidths
 from zerokit.engine.byte_plan import plan_layouts, planned_bytes
+from zerokit.engine.precision import with_gradient_dtype
 from zerokit.policy import PartitionPolicy, PlacementPolicy
 from zerokit.policy.layout import gradient_refill_bytes
 from zerokit.policy.placement import SPLIT_ALIGN
@@ -321,8 +322,9 @@ def _resolved(cfg, choice: Choice, path: str | None):
 
 
 def _placement(inputs: PlanInputs, cfg) -> PlacementPolicy:
-    placement = PlacementPolicy.from_config(cfg.zero_optimization)
-    return bf16_state.with_state_dtypes(cfg, placement, inputs.optimizer)
+    placement = bf16_state.with_state_dtypes(cfg, PlacementPolicy.from_config(cfg.zero_optimization),
+                                             inputs.optimizer)
+    return with_gradient_dtype(cfg, placement, inputs.world, inputs.accumulation)
 
 
 def _layouts(inputs: PlanInputs, placement: PlacementPolicy) -> list:

@@ -10,7 +10,7 @@ DeepSpeed's DynamicLossScaler(raise_error_at_min_scale=True)); false skips such 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -110,3 +110,27 @@ class LossScaler:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for k, v in sd.items():
             setattr(self, k, v)
+
+
+def with_gradient_dtype(cfg: ZeroKitConfig, placement, world_size: int, grad_accum_steps: int):
+    """`placement` with the dtype its offloaded gradients wait in (offload_optimizer.gradient_dtype).
+
+    [Note: 16-bit offloaded gradients]
+    An offloaded part keeps its gradient from backward to the step: a host buffer, a held
+    gradient, or an NVMe file, in the master's dtype as DeepSpeed does (4 bytes per element, and
+    at 4.35B parameters 17 GB of gradient files written and read every step). Where every value
+    that lands there is a 16-bit number, the 16-bit dtype holds it exactly and the kernel, which
+    widens whatever gradient dtype it reads, computes the same bits. That is the case when
+    nothing is summed there (one micro-step per step) and what lands is 16-bit: the collective
+    runs in a 16-bit reduce dtype (its result is that dtype), or there is one rank and the
+    gradients are the 16-bit compute dtype's (at world 1 no collective or scale touches them:
+    comm/collectives.py, units/reduction.py). A second backward before step() would sum in 16
+    bits, so the parts refuse it (parts/held_gradient.py `refuse_second_backward`)."""
+    if cfg.zero_optimization.offload_optimizer.gradient_dtype == "master" or not placement.offloads:
+        return placement
+    if grad_accum_steps != 1 or placement.master_dtype != torch.float32:
+        return placement
+    reduce, compute = reduce_dtype(cfg), compute_dtype(cfg)
+    sixteen = (torch.bfloat16, torch.float16)
+    exact = reduce if reduce in sixteen else compute if world_size == 1 and compute in sixteen else None
+    return placement if exact is None else replace(placement, grad_dtype=exact)

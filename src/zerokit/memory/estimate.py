@@ -32,7 +32,7 @@ from zerokit.config import load_config, resolve_auto
 from zerokit.engine.byte_plan import plan_layouts, planned_bytes, reduce_buffer_bytes
 from zerokit.engine.gathered_peak import gathered_peak_numel
 from zerokit.engine.bf16_state import with_state_dtypes
-from zerokit.engine.precision import compute_dtype, reduce_dtype
+from zerokit.engine.precision import compute_dtype, reduce_dtype, with_gradient_dtype
 from zerokit.memory.activations import measure_forward, token_batch
 from zerokit.memory.sources import source_of
 from zerokit.optim.recipe import recipe_from
@@ -91,6 +91,7 @@ def estimate(model: Any, world_size: int = 1, config: dict | None = None, *, sta
                          "on the machine; give a number in [0, 1] to estimate")
     placement = with_state_dtypes(cfg, placement, None)  # bf16 master / state keys
     _, micro, accumulation = cfg.resolve_batch(world_size)
+    placement = with_gradient_dtype(cfg, placement, world_size, accumulation)
     policy = PartitionPolicy.for_stage(zero.stage).for_accumulation(accumulation)
     recipe = recipe_from(src.model, None, None, cfg.optimizer)
     groups = group_parameters(src.model, select_modules(src.model, wrap), recipe.group_of)

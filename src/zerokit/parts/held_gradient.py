@@ -26,19 +26,35 @@ from zerokit.optim import host as host_kernels
 from zerokit.parts.ranges import uncovered
 
 
+def refuse_sum(owner: str, dtype: torch.dtype):
+    """A second backward before step() would add into a gradient kept in 16 bits for one
+    backward per step ([Note: 16-bit offloaded gradients] in engine/precision.py): the sum would
+    round where the master's dtype would not. Raised before anything is added."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+    raise RuntimeError(
+        f"a second backward before step() adds into {owner}'s offloaded gradient, kept in {name} "
+        f"because gradient_accumulation_steps is 1 (offload_optimizer.gradient_dtype 'auto': exact "
+        f"for one backward per step, not for a sum). Set gradient_accumulation_steps to the number "
+        f"of backward calls per step, or offload_optimizer.gradient_dtype to 'master'")
+
+
 def host_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A host tensor at a 4096-aligned address: a file range at offset 0 moves by O_DIRECT."""
     return aligned_empty(numel * torch.empty(0, dtype=dtype).element_size()).view(dtype)
 
 
 class HeldGradient:
-    """A part's gradient in host memory (see the note), in the master's dtype: fp32, or bf16
-    with bf16.bf16_master_weights_and_grads (rounded and accumulated as the host part's own
-    gradient buffer is, so the speculative step reads the same values)."""
+    """A part's gradient in host memory (see the note), in the placement's gradient dtype: the
+    master's (fp32, or bf16 with bf16.bf16_master_weights_and_grads: rounded and accumulated as
+    the host part's own gradient buffer is, so the speculative step reads the same values), or
+    the 16-bit gradient's own at one micro-step per step, where `sums_refused_for` names the
+    part whose second backward is refused (`refuse_sum`)."""
 
-    def __init__(self, numel: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
+                 sums_refused_for: str | None = None):
         self.numel = numel
         self.dtype = dtype
+        self.sums_refused_for = sums_refused_for
         self.counted = None  # the ledger's count of this buffer, called with its bytes when allocated
         self._buf: torch.Tensor | None = None  # allocated at the first piece, then kept
         self._landed: list[tuple[int, int]] = []  # [lo, hi) written since the last release
@@ -60,6 +76,8 @@ class HeldGradient:
         lo, hi = offset, offset + piece.numel()
         dest = self._landing()[lo:hi]
         if any(a < hi and lo < b for a, b in self._landed):  # accumulation: add
+            if self.sums_refused_for is not None:
+                refuse_sum(self.sums_refused_for, self.dtype)
             dest.add_(piece.to("cpu"))
             self._sq = float("nan")  # recomputed in settle
         else:

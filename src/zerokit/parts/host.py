@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from zerokit.policy.layout import OptimizerPart
-from zerokit.parts.held_gradient import HeldGradient
+from zerokit.parts.held_gradient import HeldGradient, refuse_sum
 from zerokit.parts.kernel_part import STATE_NAMES, KernelOperands, PartSpan, WeightsOut
 from zerokit.optim import host as host_kernels
 from zerokit.tier_names import TierName
@@ -27,7 +27,12 @@ class HostPart(PartSpan):
         self.master = buffers["host_master"]
         self.grads = [buffers[n] for n in ("host_grad0", "host_grad1") if n in buffers]
         # step_in_backward: no gradient buffer between steps, one held while in use
-        self.held = None if self.grads else HeldGradient(self.numel, self.master.dtype)
+        grad_dtype = unit.layout.offload_grad_dtype
+        # a 16-bit gradient under a wider master, exact for one backward per step only: the
+        # elements each backward added since the step (a second add is refused: refuse_sum)
+        refused = unit.name if grad_dtype != self.master.dtype else None
+        self.held = None if self.grads else HeldGradient(self.numel, grad_dtype, refused)
+        self._landed: list[tuple[int, int]] | None = [] if refused and self.grads else None
         self.current = 0
         self.staging = buffers.get("host_staging")
         self.host_tier = host
@@ -74,6 +79,10 @@ class HostPart(PartSpan):
         """Add a reduced gradient bucket (this rank's, averaged) at `offset` of the host gradient.
         Adds: the host gradient is zeroed after every step (below stage 2 reduced once: written)."""
         lo, hi = offset, offset + part.numel()
+        if self._landed is not None:
+            if any(a < hi and lo < b for a, b in self._landed):
+                refuse_sum(self.unit.name, self.grad.dtype)
+            self._landed.append((lo, hi))
         if part.device.type == "cpu":
             if self.held is not None:
                 self.held.add(part, lo)
@@ -108,11 +117,15 @@ class HostPart(PartSpan):
             self.held.clear()
         else:
             self.grad.zero_()
+        if self._landed is not None:
+            self._landed = []
 
     def swap_grads(self) -> None:
         """Delayed update: the step just launched reads this buffer; backward fills the other
         (zeroed by the engine's zero_grad at the end of the same step: not twice)."""
         self.current = (self.current + 1) % len(self.grads)
+        if self._landed is not None:
+            self._landed = []
 
     # ---- weights out -------------------------------------------------------------------------
     def wait(self) -> None:

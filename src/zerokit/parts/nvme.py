@@ -19,7 +19,7 @@ import torch
 
 from zerokit.io.aio import wait_all
 from zerokit.optim import host as host_kernels
-from zerokit.parts.held_gradient import HeldGradient, host_buffer
+from zerokit.parts.held_gradient import HeldGradient, host_buffer, refuse_sum
 from zerokit.parts.kernel_part import STATE_NAMES, PartSpan, WeightsOut
 from zerokit.parts.ranges import uncovered
 from zerokit.policy.layout import OptimizerPart
@@ -50,8 +50,8 @@ GRAD_CHUNK_BYTES = 32 << 20
 
 
 class FileGradient:
-    """A part's gradient in its file range (the master's dtype: fp32, or bf16), written as
-    reduced pieces arrive.
+    """A part's gradient in its file range (placement.gradient_dtype: the master's, fp32 or bf16,
+    or the 16-bit gradient's own where that is exact), written as reduced pieces arrive.
 
     [Note: gradients on NVMe]
     A piece is copied out of the reduction's bucket into host buffers of at most
@@ -68,8 +68,11 @@ class FileGradient:
     the file read to recompute it.
     """
 
-    def __init__(self, nvme: NvmeTier, rng: FileRange):
+    def __init__(self, nvme: NvmeTier, rng: FileRange, sums_refused_for: str | None = None):
         self.nvme, self.range = nvme, rng
+        # a 16-bit file under a wider master, exact for one backward per step only: the part
+        # whose second backward is refused (parts/held_gradient.py refuse_sum)
+        self.sums_refused_for = sums_refused_for
         # this file's writes in flight, [lo, hi) each (the tier's window bounds all files' together)
         self._writes: list[tuple[int, int, object]] = []
         self._written: dict[tuple[int, int], float] = {}  # [lo, hi) since clear -> sum of squares
@@ -82,6 +85,8 @@ class FileGradient:
         chunk = max(1, GRAD_CHUNK_BYTES // torch.empty(0, dtype=self.range.dtype).element_size())
         # accumulation: the earlier value of these elements, plus this piece
         overlapped = [r for r in self._written if r[0] < hi and lo < r[1]]
+        if overlapped and self.sums_refused_for is not None:
+            refuse_sum(self.sums_refused_for, self.range.dtype)
         gaps = uncovered(lo, hi, overlapped) if overlapped else []  # never written since clear: zero
         sq = 0.0
         for a in range(lo, hi, chunk):
@@ -219,9 +224,11 @@ class NvmePart(PartSpan):
         self.slots = NvmeSlots(master)  # master and state: see NvmeSlots
         # one gradient file, two with the delayed update (the stream reads one, backward writes
         # the other; swap_grads flips `current`); none where held in memory (holds_nvme_gradients)
-        self.held = None if grad_files else HeldGradient(self.numel, master.dtype)
+        grad_dtype = unit.layout.offload_grad_dtype
+        refused = unit.name if grad_dtype != master.dtype else None  # 16-bit: one backward a step
+        self.held = None if grad_files else HeldGradient(self.numel, grad_dtype, refused)
         self.gradients: list[FileGradient | HeldGradient] = (
-            [FileGradient(nvme, g) for g in grad_files] if grad_files else [self.held])
+            [FileGradient(nvme, g, refused) for g in grad_files] if grad_files else [self.held])
         self.current = 0
         # A weight shard on NVMe (offload_param device 'nvme'): no 16-bit copy of the part in RAM;
         # the stream writes each sub-group's new weights to the shard's file (`out_file`).

@@ -68,15 +68,15 @@ class StreamSettings:
 
 
 class _BufferSet:
-    """One sub-group's host buffers, in the files' dtypes (master and gradient: the master's;
-    state: the state's)."""
+    """One sub-group's host buffers, in the files' dtypes (master, gradient and state each its
+    own: placement.master_dtype, gradient_dtype and state_dtype)."""
 
-    def __init__(self, numel: int, names: tuple[str, ...], with_grad: bool,
+    def __init__(self, numel: int, names: tuple[str, ...], grad_dtype: torch.dtype | None,
                  out_dtype: torch.dtype | None, master_dtype: torch.dtype = torch.float32,
                  state_dtype: torch.dtype = torch.float32):
         self.master = host_buffer(numel, master_dtype)
         # read only, never written back; none where the kernel reads a held gradient
-        self.grad = host_buffer(numel, master_dtype) if with_grad else None
+        self.grad = host_buffer(numel, grad_dtype) if grad_dtype is not None else None
         # a sub-group's new 16-bit weights on their way to a shard file (weights on NVMe)
         self.out16 = host_buffer(numel, out_dtype) if out_dtype is not None else None
         self.state = {k: host_buffer(numel, state_dtype) for k in names}
@@ -143,8 +143,9 @@ class NvmeExecutor(HostExecutor):
             # 16-bit weights to files: the shard files' dtype (fp32 compute writes the master)
             out = next((p.out_file.dtype for p in self.parts if p.out_file is not None
                         and p.out_file.dtype != torch.float32), None)
-            first = self.parts[0]  # one master / state dtype for every part (the placement's)
-            self._sets = [_BufferSet(numel, STATE_NAMES[self.family], self.settings.gradients_in_files,
+            first = self.parts[0]  # one master / gradient / state dtype for every part (the placement's)
+            grad = first.gradient.range.dtype if self.settings.gradients_in_files else None
+            self._sets = [_BufferSet(numel, STATE_NAMES[self.family], grad,
                                      out, first.master.dtype, first.state_dtype)
                           for _ in range(self.settings.buffer_count)]
             self.ledger.hold_bytes("nvme_executor/buffer_sets", "buffers", TierName.HOST,
@@ -244,12 +245,15 @@ class NvmeExecutor(HostExecutor):
 
 def buffer_set_bytes(settings: StreamSettings, family: str | None, largest_part: int,
                      master_dtype: torch.dtype = torch.float32,
-                     state_dtype: torch.dtype = torch.float32) -> int:
+                     state_dtype: torch.dtype = torch.float32,
+                     grad_dtype: torch.dtype | None = None) -> int:
     """Host bytes of the stream's buffer sets: buffer_count x (master + gradient + state) x a
-    sub-group (no gradient where gradients are held, not in files), each in its files' dtype."""
+    sub-group (no gradient where gradients are held, not in files), each in its files' dtype
+    (the gradient's: grad_dtype, or the master's)."""
     states = len(STATE_NAMES.get(family or "adam", ("a", "b")))
     master = torch.empty(0, dtype=master_dtype).element_size()
+    grad = torch.empty(0, dtype=grad_dtype or master_dtype).element_size()
     state = torch.empty(0, dtype=state_dtype).element_size()
-    per_element = (master * (1 + settings.gradients_in_files) + state * states
+    per_element = (master + grad * settings.gradients_in_files + state * states
                    + 2 * settings.weights_in_files)
     return settings.buffer_count * per_element * min(settings.sub_group_size, largest_part)

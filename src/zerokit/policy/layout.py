@@ -25,16 +25,20 @@ host part's length, `r` = this rank's shard):
     host_master  master, [a, a + k)      the host part's master (fp32 + in-place: the host shard);
                                          `master` = placement.master_dtype: fp32, or bf16 with
                                          bf16.bf16_master_weights_and_grads
-    host_grad0/1 master, [a, a + k)      the host part's gradient (two with the delayed update,
-                                         none with step_in_backward: held only while in use)
+    host_grad0/1 gradient, [a, a + k)    the host part's gradient (two with the delayed update,
+                                         none with step_in_backward: held only while in use);
+                                         `gradient` = placement.gradient_dtype: the master's,
+                                         or the 16-bit gradient's own where that is exact
+                                         ([Note: 16-bit offloaded gradients] in engine/precision.py)
     host_out16   compute dtype, [a, a+k) the host kernel's 16-bit output (in-place: the host shard)
     host_staging fp32, [a, a + k)        pinned landing buffer for device -> host gradients (CUDA)
     nvme_*       with offload_optimizer device 'nvme' the offloaded range [a, a + k) splits:
                  [a, a + h) is the host part above (h: the max_in_cpu budget), [a + h, a + k)
                  the nvme part: nvme_master and nvme_grad0 (and nvme_grad1 with the delayed
                  update; none where the gradients are held in host memory: step_in_backward or
-                 offload_optimizer.nvme_gradients 'host') on the nvme tier in the master's dtype
-                 (fp32, or bf16 with bf16.bf16_master_weights_and_grads), nvme_out
+                 offload_optimizer.nvme_gradients 'host') on the nvme tier, the master in its
+                 dtype (fp32, or bf16 with bf16.bf16_master_weights_and_grads) and the gradient
+                 in placement.gradient_dtype (as host_grad), nvme_out
                  compute dtype on the host (offload_param, no delay: the host shard; none
                  where the shard is on NVMe: the stream writes the new weights to its file)
 The host part's optimizer state is allocated when the optimizer is known (HostPart.init_state),
@@ -105,6 +109,8 @@ class UnitLayout:
     records: tuple[BufferRecord, ...]     # in allocation order: a record's alias comes before it
     reductions_per_step: int = 1          # micro-steps whose gradients leave the unit: each, when
                                           # shard_gradients (the files' read-add-write), else 1
+    # what an offloaded part's gradient waits in, a held one too (placement.gradient_dtype)
+    offload_grad_dtype: torch.dtype = torch.float32
 
     @property
     def gathers(self) -> bool:
@@ -250,7 +256,8 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     if k > h:
         records += _nvme_part_records(placement, partition, compute_dtype, a + h, a + k, cuda,
                                       shard_tier)
-    return UnitLayout(numel, padded, shard_numel, own, (a, b), parts, tuple(records), reductions)
+    return UnitLayout(numel, padded, shard_numel, own, (a, b), parts, tuple(records), reductions,
+                      placement.gradient_dtype)
 
 
 def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
@@ -269,7 +276,8 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     # the other; without it one buffer suffices; stepped in backward, none is kept between steps
     # (parts/held_gradient.py HeldGradient).
     for i in range(0 if placement.step_in_backward else 2 if placement.delayed else 1):
-        out.append(BufferRecord(f"host_grad{i}", "grads", TierName.HOST, master, lo, hi, pinned=pin))
+        out.append(BufferRecord(f"host_grad{i}", "grads", TierName.HOST, placement.gradient_dtype,
+                                lo, hi, pinned=pin))
     if not fp32:
         out.append(BufferRecord("host_out16", "buffers", TierName.HOST, compute_dtype, lo, hi,
                                 pinned=pin, alias_of="shard" if in_place else None))
@@ -294,7 +302,7 @@ def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     # With the delayed update the stream reads one gradient file while backward writes the other;
     # stepped in backward, or with nvme_gradients 'host', the gradient is held in host memory
     # until stepped (no file).
-    grads = [BufferRecord(f"nvme_grad{i}", "grads", TierName.NVME, master, lo, hi)
+    grads = [BufferRecord(f"nvme_grad{i}", "grads", TierName.NVME, placement.gradient_dtype, lo, hi)
              for i in range(0 if placement.holds_nvme_gradients else 2 if placement.delayed else 1)]
     records = [BufferRecord("nvme_master", "master", TierName.NVME, master, lo, hi), *grads]
     if shard_tier is not TierName.NVME:  # the step's new weights, written back to the weights'

@@ -61,6 +61,11 @@ class PlacementPolicy:
         bf16_optimizer_states; engine/bf16_state.py decides and checks what is wired).
     stochastic_rounding / rounding_seed: bf16 stores of the host kernel round stochastically,
         from this seed (zerokit/optim/rounding.py).
+    grad_dtype: the dtype the offloaded parts' gradients wait for the step in (host gradient
+        buffers, held gradients, NVMe gradient files) where it is not the master's: the
+        reduced gradient's own 16-bit dtype, where that holds every value exactly
+        (engine/precision.py `with_gradient_dtype`, offload_optimizer.gradient_dtype); None: the
+        master's (`gradient_dtype`).
     """
 
     ratio: float = 0.0
@@ -83,6 +88,7 @@ class PlacementPolicy:
     state_dtype: torch.dtype = torch.float32
     stochastic_rounding: bool = False
     rounding_seed: int = 0
+    grad_dtype: torch.dtype | None = None
 
     @classmethod
     def from_config(cls, zero_cfg) -> "PlacementPolicy":
@@ -113,6 +119,11 @@ class PlacementPolicy:
     @property
     def offloads(self) -> bool:
         return self.ratio > 0.0
+
+    @property
+    def gradient_dtype(self) -> torch.dtype:
+        """What the offloaded parts keep their gradients in (the kernel widens it as it reads)."""
+        return self.grad_dtype or self.master_dtype
 
     @property
     def holds_nvme_gradients(self) -> bool:
@@ -170,6 +181,10 @@ class PlacementPolicy:
             if self.nvme_grads_held and not self.step_in_backward:
                 what += ("; the NVMe part's gradients held in host memory until the step "
                          "(offload_optimizer.nvme_gradients 'host')")
+        if self.grad_dtype is not None:
+            name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.grad_dtype]
+            what += (f"; gradients kept in {name} until the "
+                     f"step (exact at one micro-step per step: offload_optimizer.gradient_dtype)")
         if self.auto_reason:
             what += f" (auto: {self.auto_reason})"
         if self.delayed:
