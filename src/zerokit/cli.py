@@ -125,9 +125,16 @@ def _write_timeline(timeline, png: str) -> None:
         from zerokit.memory.plot import plot_timeline
 
         plot_timeline(timeline, png, "zerokit train: rank 0, last step")
-        print(f"memory timeline of the last step: {os.path.abspath(png)} (data: {os.path.abspath(data)})")
+        print(f"memory timeline of the last step: {os.path.abspath(png)} (data: "
+              f"{os.path.abspath(data)}){_rss_peak(timeline)}")
     except ImportError as e:
-        print(f"memory timeline of the last step: {os.path.abspath(data)}; no PNG: {e}")
+        print(f"memory timeline of the last step: {os.path.abspath(data)}{_rss_peak(timeline)}; no PNG: {e}")
+
+
+def _rss_peak(timeline) -> str:
+    """The step's sampled RSS peak and its phase, to end the timeline's line ('' unsampled)."""
+    found = timeline.rss_peak()
+    return f"; RSS peak {found[0] / 2**20:,.0f} MiB ({found[1]})" if found else ""
 
 
 def _bar_postfix(engine, loss: float, tokens_per_s: float) -> dict[str, str]:

@@ -186,12 +186,16 @@ class RssWatch:
     `margin`, it warns once, with the numbers (unaccounted memory is a bug to find). Sampled after
     the step only, a 1B run with accumulation 4 peaked at 6.27 GiB against a 5.69 GiB budget in
     forward and backward and was back at 4.4 GiB when the step returned: nothing was reported.
-    A sample is one read of /proc/self/statm (a few microseconds), 20 a second."""
+    A sample is one read of /proc/self/statm (a few microseconds), 20 a second; each is also
+    appended to the step's memory timeline ([Note: the memory timeline] in tiers/timeline.py)."""
 
     INTERVAL_S = 0.05
 
     def __init__(self, ledger, margin: int, device_is_host: bool, interval_s: float = INTERVAL_S):
         self.ledger, self.margin, self.device_is_host = ledger, margin, device_is_host
+        # the ledger's tiers in process memory: compute memory is host memory on a CPU-only run
+        self.tiers = (TierName.HOST, TierName.DEVICE) if device_is_host else (TierName.HOST,)
+        ledger.timeline.set_rss_tiers(self.tiers)
         self.baseline = self.rss() - self.counted()
         self.reported = False
         self._peak = (0, "", 0)  # (rss, phase, counted) since the last `sample`
@@ -210,12 +214,13 @@ class RssWatch:
     def counted(self) -> int:
         """What the ledger holds in host memory: the bytes of every kind and the idle scratch
         buffers kept for the next step (tiers/scratch.py); safe to read from the sampling thread."""
-        tiers = (TierName.HOST, TierName.DEVICE) if self.device_is_host else (TierName.HOST,)
-        return sum(self.ledger.held(t) for t in tiers)
+        return sum(self.ledger.held(t) for t in self.tiers)
 
     def poll(self) -> None:
-        """One sample: a new peak of the step is kept with its phase and the ledger's count."""
+        """One sample, into the step's timeline; a new peak of the step is kept with its phase
+        and the ledger's count."""
         rss = self.rss()
+        self.ledger.timeline.note_rss(rss)
         if rss > self._peak[0]:
             self._peak = (rss, self.ledger.phase, self.counted())
 

@@ -1,10 +1,15 @@
 """`zerokit plot`: a step's memory timeline (tiers/timeline.py) as a PNG.
 
 One panel per tier that held bytes, the ledger's kinds stacked over the step's time, the
-phases (forward, backward, step, I/O waits) as shaded bands. matplotlib is the optional extra
-`plot` (`pip install 'zerokit[plot]'`); without it the error says so.
+phases (forward, backward, step, I/O waits) as shaded bands. Where the RSS watch sampled the
+step, a last panel draws the process's RSS as a line over the ledger's totals of the tiers in
+process memory (host; device too on a CPU-only run), the gap between them shaded: memory the
+ledger does not count ([Note: the memory timeline] in tiers/timeline.py). matplotlib is the
+optional extra `plot` (`pip install 'zerokit[plot]'`); without it the error says so.
 """
 from __future__ import annotations
+
+from bisect import bisect_right
 
 from zerokit.tiers.ledger import KINDS
 from zerokit.tiers.timeline import MemoryTimeline
@@ -39,7 +44,10 @@ def plot_timeline(timeline: MemoryTimeline, out: str, title: str = "memory timel
     tiers = [t for t in ("device", "host", "nvme")
              if any(sum(table.get(t, {}).values()) for _, _, table in points)]
     times = [t for t, _, _ in points]
-    fig, axes = plt.subplots(len(tiers), 1, figsize=(11, 3 * len(tiers)), sharex=True, squeeze=False)
+    panels = len(tiers) + bool(timeline.rss)
+    fig, axes = plt.subplots(panels, 1, figsize=(11, 3 * panels), sharex=True, squeeze=False)
+    if timeline.rss:
+        _rss_panel(axes[-1, 0], timeline, points)
     for ax, tier in zip(axes[:, 0], tiers):
         _bands(ax, points)
         stacks = [[table.get(tier, {}).get(k, 0) / 2**20 for _, _, table in points] for k in KINDS]
@@ -70,3 +78,24 @@ def _bands(ax, points) -> None:
                             va="top", color="#555555")
                 labelled.add(phase)
             start, phase = t, here
+
+
+def _rss_panel(ax, timeline: MemoryTimeline, points) -> None:
+    """The sampled RSS over the ledger's totals of `timeline.rss_tiers`, stacked per tier."""
+    _bands(ax, points)
+    times = [t for t, _, _ in points]
+    tiers = list(timeline.rss_tiers)
+    stacks = [[sum(table.get(tier, {}).values()) / 2**20 for _, _, table in points] for tier in tiers]
+    ax.stackplot(times, *stacks, labels=[f"ledger: {t}" for t in tiers], step="post", alpha=0.6)
+    rss_t = [t for t, _, _ in timeline.rss]
+    rss = [n / 2**20 for _, _, n in timeline.rss]
+    # the ledger's total as each sample was taken: the last event at or before it
+    counted = [sum(stack[max(0, bisect_right(times, t) - 1)] for stack in stacks) for t in rss_t]
+    ax.fill_between(rss_t, counted, rss, where=[r > c for r, c in zip(rss, counted)], color="#d62728",
+                    alpha=0.15, label="RSS not counted by the ledger")
+    ax.plot(rss_t, rss, color="#d62728", linewidth=1.2, label="process RSS (sampled)")
+    peak, phase = timeline.rss_peak()
+    ax.set_ylabel("process (MiB)")
+    ax.set_title(f"process RSS against the ledger's {' + '.join(tiers)}: peak "
+                 f"{peak / 2**20:,.1f} MiB ({phase})", fontsize=9, loc="left")
+    ax.legend(loc="upper right", fontsize=7, ncol=2)
