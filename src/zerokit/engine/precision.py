@@ -125,7 +125,7 @@ def with_gradient_dtype(cfg: ZeroKitConfig, placement, world_size: int, grad_acc
     runs in a 16-bit reduce dtype (its result is that dtype), or there is one rank and the
     gradients are the 16-bit compute dtype's (at world 1 no collective or scale touches them:
     comm/collectives.py, units/reduction.py). A second backward before step() would sum in 16
-    bits, so the parts refuse it (parts/held_gradient.py `refuse_second_backward`)."""
+    bits, so the parts refuse it (parts/held_gradient.py `refuse_sum`)."""
     if cfg.zero_optimization.offload_optimizer.gradient_dtype == "master" or not placement.offloads:
         return placement
     if grad_accum_steps != 1 or placement.master_dtype != torch.float32:
