@@ -91,9 +91,12 @@ def test_the_rule(kw, want):
 def _train(rank, world, cfgs):
     import zerokit
 
+    from zerokit.config.plan import explain
+
     out = []
     for cfg in cfgs:
         engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+        plan = explain(engine)
         files = [p.gradients[0].range.path for u in engine.units for p in u.parts
                  if p.tier == "nvme" and p.held is None]
         run = {"losses": engine_train(engine, global_batches(STEPS, MICRO * world), rank, world),
@@ -103,7 +106,8 @@ def _train(rank, world, cfgs):
                "held": sorted({str(p.held._buf.dtype) for u in engine.units for p in u.parts
                                if getattr(p, "held", None) is not None and p.held._buf is not None}),
                "host_grads": engine.ledger.bytes(tier="host", kind="grads"),
-               "offloaded": sum(u.host_numel + u.layout.nvme_numel for u in engine.units)}
+               "offloaded": sum(u.host_numel + u.layout.nvme_numel for u in engine.units),
+               "plan": plan}
         engine.destroy()
         out.append(run)
     return out
@@ -145,6 +149,15 @@ def test_16bit_gradients_step_the_same_bits(tmp_path, device, sib, world, stage,
             assert auto["held"] == [str(want)] and master["held"] == ["torch.float32"]
         if device == "cpu" or sib:  # the ledger's host gradients: records or held buffers
             assert auto["host_grads"] * 4 == master["host_grads"] * size > 0
+        # the plan at initialize says so: the files' dtype, the held gradients' bytes
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[want]
+        if device == "nvme" and not sib:
+            assert f"fp32 master, {name} gradient, fp32 optimizer state" in auto["plan"], auto["plan"]
+        if sib:
+            held = f"{size * auto['offloaded'] / 2**20:.2f} MiB"
+            assert f"gradients held in host memory until the step decides {held}" in auto["plan"], auto["plan"]
+        if sixteen:
+            assert f"gradients kept in {name} until the step" in auto["plan"], auto["plan"]
 
 
 # ---- an independent reference ----------------------------------------------------------------

@@ -87,8 +87,10 @@ def _storage_names(placement) -> tuple[str, str]:
     bf16.bf16_optimizer_states: engine/bf16_state.py)."""
     if placement is None:
         return "fp32", "fp32"
-    name = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}
-    return name[str(placement.master_dtype)], name[str(placement.state_dtype)]
+    return _DTYPE_NAMES[placement.master_dtype], _DTYPE_NAMES[placement.state_dtype]
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _offload_lines(engine: "Engine") -> list[str]:
@@ -115,8 +117,8 @@ def _speculation_lines(engine: "Engine", placement) -> list[str]:
     the speculative step] in parts/speculation.py)."""
     if not placement.step_in_backward:
         return ["    speculative step in backward: off (offload_optimizer.step_in_backward)"]
-    master = torch.empty(0, dtype=placement.master_dtype).element_size()  # held in its dtype
-    held = master * sum(u.host_numel + u.layout.nvme_numel for u in engine.units if u.trainable)
+    grad = torch.empty(0, dtype=placement.gradient_dtype).element_size()  # held in its dtype
+    held = grad * sum(u.host_numel + u.layout.nvme_numel for u in engine.units if u.trainable)
     return [f"    speculative step in backward: on; restores "
             f"{mib(engine.ledger.bytes(tier=TierName.HOST, kind='restores'))} host (a copy of the "
             f"host parts' master + state + 16-bit output), "
@@ -134,10 +136,12 @@ def _nvme_lines(engine: "Engine", total: int) -> list[str]:
         return []
     grads = engine.ledger.bytes(tier=TierName.NVME, kind="grads")  # none where held in RAM
     on_disk = grads + sum(engine.ledger.bytes(tier=TierName.NVME, kind=k) for k in ("master", "optimizer_state"))
-    master, state = _storage_names(getattr(engine, "placement", None))
+    placement = getattr(engine, "placement", None)
+    master, state = _storage_names(placement)
+    grad = _DTYPE_NAMES[placement.gradient_dtype] if placement is not None else master
     again = gradient_refill_bytes([u.layout for u in engine.units])  # accumulation's refills
     return [f"    {nvme:,} of {total:,} optimizer elements on NVMe on rank {engine.comm.rank}: "
-            f"{mib(on_disk)} in files ({master} master, {f'{master} gradient, ' if grads else ''}"
+            f"{mib(on_disk)} in files ({master} master, {f'{grad} gradient, ' if grads else ''}"
             f"{state} optimizer state); "
             f"expected NVMe traffic per step {mib(2 * (on_disk + again))} (each read once and "
             f"written once" + (", the gradients once more each way per micro-step after the "
