@@ -413,3 +413,46 @@ def test_delayed_update_on_nvme_equals_cpu_offloads(tmp_path, stage, dtype, max_
         assert nvme[r]["losses"] == cpu[r]["losses"] == resumed[r]["losses"]
         _exact(nvme[r]["weights"], cpu[r]["weights"])
         _exact(resumed[r]["weights"], cpu[r]["weights"])
+
+
+def _stream_blocks(rank, world, cfg):
+    """The I/O engine's blocks by path over the last step, where the stream is the only NVMe
+    I/O (gradients held in RAM, weights not on NVMe), and the weights."""
+    import zerokit
+
+    engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=cfg)
+    batches = global_batches(STEPS, MICRO * world)
+    engine_train(engine, batches[:-1], rank, world)
+    before = engine.nvme_tier.aio.block_counts()
+    engine_train(engine, batches[-1:], rank, world)
+    after = engine.nvme_tier.aio.block_counts()
+    parts = sum(1 for u in engine.units for p in u.parts if p.tier == "nvme")
+    out = {"blocks": {k: after[k] - before[k] for k in after}, "parts": parts,
+           "weights": engine.consolidated_fp32_state_dict(), "backend": engine.nvme_tier.aio.backend}
+    engine.destroy()
+    return out
+
+
+def test_sub_groups_start_on_a_sector(tmp_path):
+    """[Note: sector-aligned sub-groups]: sub_group_size 2500 is streamed as 2048-element
+    sub-groups, whose reads and writes start on 4 KiB sectors of every file, so O_DIRECT moves
+    them without staging: only each part's last sub-group (its length not whole sectors) goes
+    through the engine's bounce buffers. The weights are cpu offload's, bit for bit."""
+    from zerokit.parts.nvme_executor import SECTOR_ELEMENTS, StreamSettings
+
+    for size in (2048, 2500, 10_000_000, 1_000_000_000):  # every sub-group at a sector of 2- and 4-byte files
+        n = StreamSettings(size, 4).group_numel
+        assert size - SECTOR_ELEMENTS < n <= size and all((n * j * e) % 4096 == 0 for j in range(9) for e in (2, 4))
+    assert StreamSettings(1000, 4).group_numel == 1000  # below a sector's worth: as given
+    cfg = _config(2, "fp32", "AdamW", "nvme", str(tmp_path), sub_group=2500,
+                  extra={"nvme_gradients": "host"})
+    cfg["aio"]["block_size"] = 8192  # one 2048-element fp32 sub-group: one block per file range
+    run = run_world(_stream_blocks, 1, cfg)[0]
+    cpu = run_world(_train, 1, _config(2, "fp32", "AdamW", "cpu", None))[0]
+    _exact(run["weights"], cpu["weights"])
+    if run["backend"] != "linux-aio":
+        pytest.skip(f"the I/O engine runs {run['backend']} here (no kernel AIO): every block is on "
+                    f"its threads, so the staged ones cannot be told apart")
+    # per part, the last sub-group of each of its 3 files (master, two moments), read and written
+    staged, direct = run["blocks"]["threads"], run["blocks"]["kernel"]
+    assert direct > 0 and staged <= run["parts"] * 3 * 2, run
