@@ -137,7 +137,7 @@ ROW_CLIPPING = {"zk-inf-ds-clip": 1e-3}  # rows whose gradient_clipping is their
 # Weight shards the unbudgeted zerokit rows read ahead (offload_param.buffer_count; the DeepSpeed
 # row needs 16, see ds_config), each up to the embedding's size.
 ZK_PARAM_BUFFERS = 4
-ZK_SUB_GROUP = 10_000_000  # 4 buffer sets x (master, gradient, 2 moments) x 40 MB = 640 MB
+ZK_SUB_GROUP = 10_000_000  # streamed as 9,998,336 (sector-aligned: StreamSettings.group_numel); 4 sets x 4 files x ~40 MB
 # Elements per reduce bucket for zerokit rows: two buckets of fp32 gradients may be in flight
 # (engine._max_pending_bytes), 4 GB at DeepSpeed's default 5e8; 5e7 keeps that at 400 MB.
 ZK_REDUCE_BUCKET = 50_000_000

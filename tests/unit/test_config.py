@@ -262,3 +262,16 @@ def test_nvme_gradients_says_where_the_nvme_parts_gradients_wait() -> None:
     with pytest.raises(ValueError, match=r"nvme_gradients"):
         load_config({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {
             "device": "nvme", "nvme_path": "/tmp", "nvme_gradients": "disk"}}})
+
+
+@pytest.mark.parametrize("key", ["nvme_gradients", "gradient_dtype", "step_in_backward"])
+def test_zerokits_own_offload_autos_given_explicitly(key) -> None:
+    """A config that writes out a zerokit key's default "auto" resolves as if it left it out
+    (config/auto.py NATIVE_AUTO); before, nvme_gradients and gradient_dtype were refused as an
+    "auto" only the HF Trainer fills."""
+    import torch
+
+    off = {"device": "nvme", "nvme_path": "/tmp", key: "auto"}
+    cfg = resolve_auto(load_config({**BASE, "zero_optimization": {"stage": 3, "offload_optimizer": off}}),
+                       torch.nn.Linear(2, 2))
+    assert getattr(cfg.zero_optimization.offload_optimizer, key) == "auto"
