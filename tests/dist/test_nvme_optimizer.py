@@ -416,8 +416,8 @@ def test_delayed_update_on_nvme_equals_cpu_offloads(tmp_path, stage, dtype, max_
 
 
 def _stream_blocks(rank, world, cfg):
-    """The I/O engine's blocks by path over the last step, where the stream is the only NVMe
-    I/O (gradients held in RAM, weights not on NVMe), and the weights."""
+    """The I/O engine's blocks by path over the last step (weights not on NVMe: the stream's
+    and the gradient files' I/O), the units' reduction buckets, and the weights."""
     import zerokit
 
     engine, _, _, _ = zerokit.initialize(model=tiny_gpt(), config=cfg)
@@ -428,9 +428,40 @@ def _stream_blocks(rank, world, cfg):
     after = engine.nvme_tier.aio.block_counts()
     parts = sum(1 for u in engine.units for p in u.parts if p.tier == "nvme")
     out = {"blocks": {k: after[k] - before[k] for k in after}, "parts": parts,
+           "buckets": {u.bucket_numel for u in engine.units},
            "weights": engine.consolidated_fp32_state_dict(), "backend": engine.nvme_tier.aio.backend}
     engine.destroy()
     return out
+
+
+def test_gradient_pieces_start_on_a_sector(tmp_path):
+    """[Note: buckets on sectors] (units/reduction.py): with gradients in files, the reduction's
+    buckets (reduce_bucket_size 2000, which would cut 2016-element pieces) are rounded to
+    2048-element pieces, so each piece's write starts on a 4 KiB sector of its part's gradient
+    file; with 2016 nearly every piece was staged through the engine's bounce buffers. The
+    buckets as the units got them, and the weights are cpu offload's, bit for bit."""
+    from zerokit.io import SECTOR_ELEMENTS
+    from zerokit.policy import PlacementPolicy
+    from zerokit.units.reduction import bucket_numel
+
+    on_nvme = PlacementPolicy(nvme=True)
+    assert bucket_numel(2000, 1, on_nvme) == 2048 and bucket_numel(2000, 4, on_nvme) == 4 * 2048
+    assert bucket_numel(5 * SECTOR_ELEMENTS, 1, on_nvme) == 5 * SECTOR_ELEMENTS  # a multiple: as asked
+    assert bucket_numel(2000, 2, PlacementPolicy()) == 2000  # no NVMe optimizer: as asked
+    assert bucket_numel(2000, 2, PlacementPolicy(nvme=True, nvme_grads_held=True)) == 2000  # no files
+    cfg = _config(2, "fp32", "AdamW", "nvme", str(tmp_path), sub_group=2048)  # gradients in files
+    cfg["aio"]["block_size"] = 8192  # one 2048-element fp32 piece or sub-group: one block
+    run = run_world(_stream_blocks, 1, cfg)[0]
+    cpu = run_world(_train, 1, _config(2, "fp32", "AdamW", "cpu", None))[0]
+    _exact(run["weights"], cpu["weights"])
+    assert run["buckets"] == {2048}, run["buckets"]
+    if run["backend"] != "linux-aio":
+        pytest.skip(f"the I/O engine runs {run['backend']} here (no kernel AIO): every block is on "
+                    f"its threads, so the staged ones cannot be told apart")
+    # per part, the last sub-group of each of its 4 files (master, two moments, gradient), read
+    # and written (the gradient's last piece written, its last sub-group read)
+    staged, direct = run["blocks"]["threads"], run["blocks"]["kernel"]
+    assert direct > 0 and staged <= run["parts"] * 4 * 2, run
 
 
 def test_sub_groups_start_on_a_sector(tmp_path):
@@ -438,7 +469,8 @@ def test_sub_groups_start_on_a_sector(tmp_path):
     sub-groups, whose reads and writes start on 4 KiB sectors of every file, so O_DIRECT moves
     them without staging: only each part's last sub-group (its length not whole sectors) goes
     through the engine's bounce buffers. The weights are cpu offload's, bit for bit."""
-    from zerokit.parts.nvme_executor import SECTOR_ELEMENTS, StreamSettings
+    from zerokit.io import SECTOR_ELEMENTS
+    from zerokit.parts.nvme_executor import StreamSettings
 
     for size in (2048, 2500, 10_000_000, 1_000_000_000):  # every sub-group at a sector of 2- and 4-byte files
         n = StreamSettings(size, 4).group_numel

@@ -18,6 +18,7 @@ from zerokit.comm.devices import model_device_of
 from zerokit.units.leaf import leaf_parameter_ids
 from zerokit.units.ds_attributes import attach_ds_views
 from zerokit.policy.layout import UnitLayout
+from zerokit.units.reduction import bucket_numel
 from zerokit.units.unit import Unit
 from zerokit.units.wrap import group_parameters, select_modules
 from zerokit.engine.deepspeed_api import config_dict
@@ -121,6 +122,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
     # At 1B built under zero.Init it was 2.0 GiB, and the layout's 2.6 GiB stacked on it: setup
     # peaked at 5.26 GiB against a 5.69 GiB budget whose steps peaked at 4.57.
     release_free_host_memory("initialize, before the layout")
+    buckets = bucket_numel(cfg.zero_optimization.reduce_bucket_size, comm.world_size, placement)
     trimmed = 0  # zero.Init's gathered weights, handed back unit by unit (below)
     units = []
     gathered: list[Unit] = []  # construction units gathered for a unit, some parameters not yet laid out
@@ -134,7 +136,7 @@ def initialize(model: nn.Module, optimizer: Any = None,
         units.append(Unit(name, params, module=module, trainable=trainable, group_index=group,
                           comm=comm, policy=policy, compute_dtype=dtype,
                           reduce_dtype=reduce_dtype(cfg),
-                          bucket_numel=cfg.zero_optimization.reduce_bucket_size, ledger=ledger,
+                          bucket_numel=buckets, ledger=ledger,
                           grad_accum_steps=batch[2], layout=layout, nvme=nvme))
         still = retire_laid_out(gathered)
         if len(still) < len(gathered):

@@ -8,11 +8,11 @@ built on this package, so it is imported on first use (PEP 562), never when `zer
 See docs/nvme.md.
 """
 from zerokit.io.aio import AioConfig, AioError, AsyncIO, ChecksumError, IOHandle, native_available
-from zerokit.io.buffers import ALIGN, BufferPool, aligned_empty, is_aligned
+from zerokit.io.buffers import ALIGN, SECTOR_ELEMENTS, BufferPool, aligned_empty, is_aligned
 from zerokit.io.file_range import FileRange
 from zerokit.io.stream import read_chunks
 
-__all__ = ["ALIGN", "AioConfig", "AioError", "AsyncIO", "BufferPool", "ChecksumError",
+__all__ = ["ALIGN", "SECTOR_ELEMENTS", "AioConfig", "AioError", "AsyncIO", "BufferPool", "ChecksumError",
            "FileRange", "IOHandle", "TensorSwapper", "aligned_empty", "is_aligned",
            "native_available", "read_chunks"]
 

@@ -18,6 +18,9 @@ import torch
 from zerokit.io import huge_pages
 
 ALIGN = 4096
+# Elements of the narrowest dtype in a file (16-bit) per 4 KiB: a file range starting at a multiple
+# of this many elements starts on a sector in every dtype zerokit writes (2 or 4 bytes each).
+SECTOR_ELEMENTS = ALIGN // 2
 
 
 def pin_default() -> bool:

@@ -43,14 +43,10 @@ from zerokit.parts.held_gradient import HeldGradient, host_buffer
 from zerokit.parts.kernel_part import STATE_NAMES, KernelOperands
 from zerokit.parts.executors import HostExecutor, PartFeed
 from zerokit.io.aio import wait_all
+from zerokit.io.buffers import SECTOR_ELEMENTS
 from zerokit.policy import PlacementPolicy
 from zerokit.tier_names import TierName
 from zerokit.tiers.nvme import NvmeHandle, NvmeTier
-
-
-# Sub-groups start on a 4 KiB sector of every file whatever its dtype (2 or 4 bytes per
-# element): see StreamSettings.group_numel.
-SECTOR_ELEMENTS = 4096 // 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,34 @@ import torch
 import torch.nn as nn
 
 from zerokit.comm.collectives import Handle
+from zerokit.io.buffers import SECTOR_ELEMENTS
+from zerokit.policy import PlacementPolicy
 from zerokit.policy.layout import ALIGN
 from zerokit.tiers import TierName
+
+
+def bucket_numel(reduce_bucket_size: int, world: int, placement: PlacementPolicy) -> int:
+    """The elements per reduction bucket the units are given for zero_optimization.reduce_bucket_size.
+
+    [Note: buckets on sectors]
+    Where the optimizer is on NVMe with gradients in files, each reduce-scatter bucket's piece is
+    written into its part's gradient file at the piece's offset as soon as it is reduced
+    (parts/nvme.py FileGradient; one file per part, from offset 0). The I/O engine sends a block
+    straight to disk only where file offset and buffer address agree modulo 4096 (io/aio.py
+    [Note: file residue]); a piece anywhere else is staged through bounce buffers, a write's edge
+    sectors read back first: the cost that sub-groups had before [Note: sector-aligned
+    sub-groups]. A bucket of k x world x SECTOR_ELEMENTS gives each rank pieces of k x
+    SECTOR_ELEMENTS columns, so with the optimizer on NVMe the size asked is rounded up to that:
+    every piece then starts on a sector of its part's file in every dtype, whatever was asked
+    (DeepSpeed's default, 500,000,000, and the usual 5e7 and 2e8 are not multiples: 5e7 fp32
+    elements end 512 bytes past a sector). Not where a unit's NVMe part starts
+    inside it (the one unit that offload_optimizer.max_in_cpu splits): its pieces stay where the
+    unit's buckets cut them. Rank-independent (the cuts must agree); the reduction is
+    elementwise, so where they fall changes no bit."""
+    if not placement.nvme or placement.holds_nvme_gradients:
+        return reduce_bucket_size
+    step = world * SECTOR_ELEMENTS
+    return -(-reduce_bucket_size // step) * step
 
 
 class GradientReduction:
