@@ -42,3 +42,20 @@ def test_nothing_landed_since_clear_reads_zero():
     held.add(torch.ones(3), 0)
     held.clear()
     assert torch.equal(held.values(), torch.zeros(3)) and held.sq_norm() == 0.0
+
+
+def test_a_given_buffer_is_landed_in_without_a_zeroing_pass():
+    """A host part's gradient record (parts/host.py): the layout's buffer, garbage from the last
+    step, is where the pieces land; the first piece is copied (a -0.0 stays -0.0, where adding
+    it to zeros gave +0.0), the rest zeroed only at settle."""
+    buf = torch.full((6,), 9.0)
+    held = HeldGradient(6, buffer=buf)
+    held.add(torch.tensor([1.0, -0.0]), 1)
+    assert torch.equal(buf[1:3], torch.tensor([1.0, -0.0])) and buf[0] == 9.0  # not zeroed yet
+    got = held.values()
+    assert got.data_ptr() == buf.data_ptr() and held.nbytes == 6 * 4
+    assert torch.equal(got, torch.tensor([0.0, 1.0, -0.0, 0.0, 0.0, 0.0]))
+    assert torch.signbit(got[2]) and held.sq_norm() == 1.0
+    held.clear()
+    held.add(torch.full((6,), 2.0), 0)
+    assert torch.equal(buf, torch.full((6,), 2.0)) and held.sq_norm() == 24.0

@@ -15,7 +15,12 @@ parts' elements; a host part keeps its gradient record).
 The first piece on a range is copied, not added, and nothing is zeroed but the elements no piece
 reached (`settle`); later pieces on the same elements (accumulation over micro-steps) are added.
 The sum of squares is taken per piece, as FileGradient (parts/nvme.py) does for the gradient
-files (recounted whole after an accumulation).
+files (recounted whole after an accumulation). A host part's gradient records (stepped in
+step()) land the same way: zeroing the record after each step, adding every piece into it and
+reading it once more for the norm cost three passes over it per step, more than 1 s of a 1B
+step whose host part holds 888M bf16 elements (parts/host.py). Copying where an add would meet
+zeros gives the same bits: x + 0 is x, and a -0.0 copied where the add gave +0.0 steps alike
+(every kernel reads g only through g, g * g and sign(g), all of them zero either way).
 """
 from __future__ import annotations
 
@@ -51,12 +56,14 @@ class HeldGradient:
     part whose second backward is refused (`refuse_sum`)."""
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32,
-                 sums_refused_for: str | None = None):
+                 sums_refused_for: str | None = None, buffer: torch.Tensor | None = None):
+        """buffer: where the gradient lands, a buffer the layout allocated and counted (a host
+        part's gradient record, host_grad0/1); else allocated at the first piece."""
         self.numel = numel
         self.dtype = dtype
         self.sums_refused_for = sums_refused_for
         self.counted = None  # the ledger's count of this buffer, called with its bytes when allocated
-        self._buf: torch.Tensor | None = None  # allocated at the first piece, then kept
+        self._buf: torch.Tensor | None = buffer  # allocated at the first piece, then kept
         self._landed: list[tuple[int, int]] = []  # [lo, hi) written since the last release
         self._settled = True
         self._sq = 0.0

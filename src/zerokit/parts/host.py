@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from zerokit.policy.layout import OptimizerPart
-from zerokit.parts.held_gradient import HeldGradient, refuse_sum
+from zerokit.parts.held_gradient import HeldGradient
 from zerokit.parts.kernel_part import STATE_NAMES, KernelOperands, PartSpan, WeightsOut
-from zerokit.optim import host as host_kernels
 from zerokit.tier_names import TierName
 from zerokit.tiers.tier import CopyHandle, Tier
 
@@ -25,14 +24,17 @@ class HostPart(PartSpan):
         super().__init__(unit, span.lo, span.hi,
                          WeightsOut(home, buffers.get("host_out16"), in_place, pinned))
         self.master = buffers["host_master"]
-        self.grads = [buffers[n] for n in ("host_grad0", "host_grad1") if n in buffers]
-        # step_in_backward: no gradient buffer between steps, one held while in use
+        records = [buffers[n] for n in ("host_grad0", "host_grad1") if n in buffers]
         grad_dtype = unit.layout.offload_grad_dtype
-        # a 16-bit gradient under a wider master, exact for one backward per step only: the
-        # elements each backward added since the step (a second add is refused: refuse_sum)
+        # a 16-bit gradient under a wider master, exact for one backward per step only: a second
+        # backward's add is refused (refuse_sum)
         refused = unit.name if grad_dtype != self.master.dtype else None
-        self.held = None if self.grads else HeldGradient(self.numel, grad_dtype, refused)
-        self._landed: list[tuple[int, int]] | None = [] if refused and self.grads else None
+        # step_in_backward: no gradient record between steps, one held while in use
+        self.held = None if records else HeldGradient(self.numel, grad_dtype, refused)
+        # where backward's pieces land (two records with the delayed update: one being stepped),
+        # each first piece copied, not added ([Note: held gradients])
+        self.gradients = [HeldGradient(self.numel, g.dtype, refused, buffer=g) for g in records] \
+            if records else [self.held]
         self.current = 0
         self.staging = buffers.get("host_staging")
         self.host_tier = host
@@ -61,9 +63,14 @@ class HostPart(PartSpan):
                               self.rounding)
 
     @property
+    def gradient(self) -> HeldGradient:
+        """The gradient the current backward lands in and the next step reads."""
+        return self.gradients[self.current]
+
+    @property
     def grad(self) -> torch.Tensor:
-        """The buffer the current backward accumulates into and the next step reads."""
-        return self.held.values() if self.held is not None else self.grads[self.current]
+        """The current gradient's buffer, every element written (settled)."""
+        return self.gradient.values()
 
     def init_state(self, family: str, fill: float = 0.0) -> None:
         if self.state:
@@ -76,56 +83,43 @@ class HostPart(PartSpan):
 
     # ---- gradients in ------------------------------------------------------------------------
     def take_grad(self, part: torch.Tensor, offset: int) -> None:
-        """Add a reduced gradient bucket (this rank's, averaged) at `offset` of the host gradient.
-        Adds: the host gradient is zeroed after every step (below stage 2 reduced once: written)."""
-        lo, hi = offset, offset + part.numel()
-        if self._landed is not None:
-            if any(a < hi and lo < b for a, b in self._landed):
-                refuse_sum(self.unit.name, self.grad.dtype)
-            self._landed.append((lo, hi))
+        """Land a reduced gradient bucket (this rank's, averaged) at `offset` of the host
+        gradient: copied where nothing landed since the step, else added (accumulation)."""
+        lo = offset
         if part.device.type == "cpu":
-            if self.held is not None:
-                self.held.add(part, lo)
-            else:
-                self.grad[lo:hi].add_(part)
+            self.gradient.add(part, lo)
             return
+        hi = lo + part.numel()
         if any(a < hi and lo < b for _, a, b in self._staged):
-            self.settle()  # an earlier micro-step's bucket still occupies this staging range
+            self._land_staged()  # an earlier micro-step's bucket still occupies this staging range
         self._staged.append((self.host_tier.copy(self.staging[lo:hi], part), lo, hi))
 
-    def settle(self) -> None:
-        """Finish the device -> host gradient copies in flight (CUDA) and accumulate them."""
+    def _land_staged(self) -> None:
+        """Finish the device -> host gradient copies in flight (CUDA) and land them."""
         for done, lo, hi in self._staged:
             done.synchronize()
-            if self.held is not None:
-                self.held.add(self.staging[lo:hi], lo)
-            else:
-                self.grad[lo:hi].add_(self.staging[lo:hi])
+            self.gradient.add(self.staging[lo:hi], lo)
         self._staged = []
-        if self.held is not None:
-            self.held.settle()
+
+    def settle(self) -> None:
+        """Every piece landed; elements none reached are zero."""
+        self._land_staged()
+        self.gradient.settle()
 
     def grad_sq_norm(self) -> torch.Tensor:
-        self.settle()
-        total = (self.held.sq_norm() if self.held is not None else  # taken as pieces landed
-                 host_kernels.grad_sq_norm(self.grad)[0])
-        return torch.tensor(total, dtype=torch.float64, device=self.unit.device)
+        self._land_staged()
+        return torch.tensor(self.gradient.sq_norm(), dtype=torch.float64,  # taken as pieces landed
+                            device=self.unit.device)
 
     def zero_grad(self) -> None:
-        self.settle()
-        if self.held is not None:
-            self.held.clear()
-        else:
-            self.grad.zero_()
-        if self._landed is not None:
-            self._landed = []
+        """The step is done: the next piece starts a new gradient (nothing is zeroed now)."""
+        self._land_staged()
+        self.gradient.clear()
 
     def swap_grads(self) -> None:
         """Delayed update: the step just launched reads this buffer; backward fills the other
-        (zeroed by the engine's zero_grad at the end of the same step: not twice)."""
-        self.current = (self.current + 1) % len(self.grads)
-        if self._landed is not None:
-            self._landed = []
+        (cleared by the engine's zero_grad at the end of the same step)."""
+        self.current = (self.current + 1) % len(self.gradients)
 
     # ---- weights out -------------------------------------------------------------------------
     def wait(self) -> None:
