@@ -1,5 +1,5 @@
-"""Gradients held in host memory, never in a file (offload_optimizer.step_in_backward, or an
-nvme part's with offload_optimizer.nvme_gradients 'host').
+"""Gradients in host memory: held, never in a file (offload_optimizer.step_in_backward, or an
+nvme part's with offload_optimizer.nvme_gradients 'host'), and a host part's gradient records.
 
 [Note: held gradients]
 Stepped in backward (parts/speculation.py), a host or nvme part's gradient (the master's dtype)

@@ -154,7 +154,8 @@ class GradientReduction:
         """The reduced gradient of elements [lo, hi) of the optimizer range (flat index space)
         -> each part it overlaps, wherever that part's master lives. See [Note: one reduction,
         one meaning]: a device part writes where reduced once per step, adds where reduced every
-        micro-step; a host part adds (its gradient is zeroed after every step)."""
+        micro-step; a host or nvme part copies the first piece on its elements since the step and adds
+        later ones (parts/held_gradient.py [Note: held gradients])."""
         for part in self.parts:
             a, b = max(lo, part.lo), min(hi, part.hi)
             if a < b:
