@@ -32,7 +32,7 @@ import torch
 from zerokit.optim import fallback, fallback_bf16
 from zerokit.optim.backend import DTYPE_CODES, NO_DTYPE, native_module, resolve
 
-__all__ = ["adam_step", "adagrad_step", "lion_step", "grad_sq_norm", "bias_correction"]
+__all__ = ["adam_step", "adagrad_step", "lion_step", "grad_sq_norm", "bias_correction", "accumulate"]
 
 _GRAD_DTYPES = tuple(DTYPE_CODES)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -235,3 +235,39 @@ def grad_sq_norm(grad: torch.Tensor, *, impl: str | None = None,
     else:
         total = fallback.grad_sq_norm(grad)
     return total, math.isfinite(total)
+
+
+# Elements per widened chunk in `accumulate`: 4 MiB of fp32, cache-sized (measured on this VM,
+# 32M elements fp32 += bf16: 1.8 G elements/s at 64Ki, 3.0 at 256Ki, 3.3 at 1Mi, 3.7 at 4Mi).
+ACCUMULATE_CHUNK = 1 << 20
+
+
+def accumulate(dest: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dest += src, the same bits as `dest.add_(src)`: the sum in the wider of the two dtypes,
+    rounded once to dest's.
+
+    On the CPU torch's add_ of two dtypes runs unvectorized: 0.6-0.7 G elements/s for fp32 +=
+    bf16 here, against 3.9 for fp32 += fp32 and 4.5 for the bf16 -> fp32 copy. Accumulating
+    micro-steps' 16-bit gradient pieces into fp32 gradients (held, in files, host records) did
+    that for every element and micro-step: at 3B, 2.6G elements x 3 micro-steps a step. So the
+    narrower side goes through a chunk of the wider dtype first (exact: widening is), then
+    one add of one dtype (3.0-3.7 G elements/s)."""
+    wide = torch.promote_types(dest.dtype, src.dtype)
+    if (dest.dtype == src.dtype or dest.device.type != "cpu" or src.device.type != "cpu"
+            or wide not in (dest.dtype, src.dtype) or not dest.is_contiguous()
+            or dest.shape != src.shape or dest.numel() < ACCUMULATE_CHUNK // 8):
+        return dest.add_(src)
+    d, s = dest.view(-1), src.reshape(-1)
+    n = d.numel()
+    tmp = torch.empty(min(n, ACCUMULATE_CHUNK), dtype=wide)
+    for lo in range(0, n, ACCUMULATE_CHUNK):
+        hi = min(n, lo + ACCUMULATE_CHUNK)
+        t = tmp[:hi - lo]
+        if wide == dest.dtype:  # widen the piece, add in dest's dtype
+            t.copy_(s[lo:hi])
+            d[lo:hi].add_(t)
+        else:  # dest is the narrower: widen it, add, round once back
+            t.copy_(d[lo:hi])
+            t.add_(s[lo:hi])
+            d[lo:hi].copy_(t)
+    return dest

@@ -41,7 +41,7 @@ class DevicePart:
         """A reduced gradient piece for elements [lo + offset, ...) of this part."""
         dest = self.grad[offset:offset + reduced.numel()]
         if self._adds:
-            dest.add_(reduced)
+            host_kernels.accumulate(dest, reduced)
         else:
             dest.copy_(reduced)
 

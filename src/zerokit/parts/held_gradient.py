@@ -85,7 +85,7 @@ class HeldGradient:
         if any(a < hi and lo < b for a, b in self._landed):  # accumulation: add
             if self.sums_refused_for is not None:
                 refuse_sum(self.sums_refused_for, self.dtype)
-            dest.add_(piece.to("cpu"))
+            host_kernels.accumulate(dest, piece.to("cpu"))
             self._sq = float("nan")  # recomputed in settle
         else:
             dest.copy_(piece)

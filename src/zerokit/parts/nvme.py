@@ -97,7 +97,8 @@ class FileGradient:
                 for gap_lo, gap_hi in gaps:
                     if gap_lo < b and a < gap_hi:
                         buf[max(gap_lo, a) - a:min(gap_hi, b) - a] = 0.0
-                buf.add_(piece[a - lo:b - lo].to("cpu"))  # earlier + piece, rounded once to the file's dtype
+                # earlier + piece, rounded once to the file's dtype
+                host_kernels.accumulate(buf, piece[a - lo:b - lo].to("cpu"))
             else:
                 buf, give_back = self.nvme.ledger.scratch.take("buffers", b - a, self.range.dtype,
                                                                TierName.HOST)

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from zerokit.comm.collectives import Handle
 from zerokit.io.buffers import SECTOR_ELEMENTS
+from zerokit.optim.host import accumulate
 from zerokit.policy import PlacementPolicy
 from zerokit.policy.layout import ALIGN
 from zerokit.tiers import TierName
@@ -77,7 +78,7 @@ class GradientReduction:
             # The full gradient is scratch from here on (zeroed after the step), so reduce in place.
             local, name = self.grad_flat, "grads"
             if self.grad_acc is not None:
-                local, name = self.grad_acc.add_(self.grad_flat), "grad_acc"
+                local, name = accumulate(self.grad_acc, self.grad_flat), "grad_acc"
             if local.dtype == self.reduce_dtype:
                 # The collective runs in the buffer; where that buffer is the master gradient
                 # (stage 0 aliases), the result is already in place.
@@ -167,7 +168,7 @@ class GradientReduction:
 
     def end_backward(self) -> None:
         if not self._launched and self.grad_acc is not None:  # a micro-step before the boundary
-            self.grad_acc.add_(self.grad_flat)
+            accumulate(self.grad_acc, self.grad_flat)
             self.grad_flat.zero_()
         self._ready.clear()
         self._launched = False
