@@ -16,11 +16,12 @@ The first piece on a range is copied, not added, and nothing is zeroed but the e
 reached (`settle`); later pieces on the same elements (accumulation over micro-steps) are added.
 The sum of squares is taken per piece, as FileGradient (parts/nvme.py) does for the gradient
 files (recounted whole after an accumulation). A host part's gradient records (stepped in
-step()) land the same way: zeroing the record after each step, adding every piece into it and
-reading it once more for the norm cost three passes over it per step, more than 1 s of a 1B
-step whose host part holds 888M bf16 elements (parts/host.py). Copying where an add would meet
-zeros gives the same bits: x + 0 is x, and a -0.0 copied where the add gave +0.0 steps alike
-(every kernel reads g only through g, g * g and sign(g), all of them zero either way).
+step(), parts/host.py) land the same way; they were zeroed after each step, every piece added
+into them and read once more for the norm: three passes per step where one copy does (and an
+fp32 record adding bf16 pieces took torch's unvectorized mixed-dtype add, see optim/host.py
+`accumulate`). Copying where an add would meet zeros gives the same bits: x + 0 is x, and a
+-0.0 copied where the add gave +0.0 steps alike (a kernel reads g through g, g * g and the sign
+of a sum with it, all the same for either zero).
 """
 from __future__ import annotations
 
