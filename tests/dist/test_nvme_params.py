@@ -48,10 +48,14 @@ def _train(rank, world, cfg, model=None):
     forward under no_grad (the same batch); after the first, an edit of one weight under
     GatheredParameters (modifier rank 0). Returns the fp32 weights and the scheduler's counts."""
     import zerokit
+    from zerokit.tiers.nvme_shard import NvmeShard
     from zerokit.zero import GatheredParameters
 
     engine, *_ = zerokit.initialize(model=model if model is not None else tiny_gpt(), config=cfg)
     batches = global_batches(STEPS, MICRO * world)
+    # reads into a shard's host buffer from here on (a unit reading in place never gives it storage)
+    buffer_reads, allocate = [], NvmeShard._allocate
+    NvmeShard._allocate = lambda shard: (buffer_reads.append(shard.file.owner), allocate(shard))[1]
     seen = []
 
     def after_step(i):
@@ -68,7 +72,10 @@ def _train(rank, world, cfg, model=None):
             seen.append(engine(x, y).detach().float())
         engine.train()
 
-    losses = engine_train(engine, batches, rank, world, after_step=after_step)
+    try:
+        losses = engine_train(engine, batches, rank, world, after_step=after_step)
+    finally:
+        NvmeShard._allocate = allocate
     nvme = next((u.nvme_shard.nvme for u in engine.units if u.nvme_shard is not None), None)
     out = {"losses": losses, "weights": engine.consolidated_fp32_state_dict(), "seen": seen,
            "stats": dict(engine.scheduler.stats),
@@ -78,7 +85,9 @@ def _train(rank, world, cfg, model=None):
                                if u.nvme_shard and u.module is engine.module.transformer.h[1]),
            "io": None if nvme is None else (nvme.stats.total_read, nvme.stats.total_written),
            "step_io": engine.nvme_io(), "report": engine.memory_report(),
-           "nvme_weights": engine.ledger.bytes(tier="nvme", kind="weights")}
+           "nvme_weights": engine.ledger.bytes(tier="nvme", kind="weights"),
+           "in_place": sum(u.nvme_shard is not None and u.reads_in_place for u in engine.units),
+           "buffer_reads": len(buffer_reads)}
     engine.destroy()
     return out
 
@@ -94,7 +103,7 @@ GRID = [(dtype, opt, optimizer) for dtype in ("fp32", "bf16") for opt in ("cpu",
 
 
 def _grid_world(rank, world, path):
-    out = {}
+    out = {"rank": rank}
     for dtype, opt, optimizer in GRID:
         clip = 0.0 if optimizer == "SGD" else 1.0  # SGD: nothing rescales the gradient but the step
         for param in ("cpu", "nvme"):
@@ -112,6 +121,13 @@ def test_nvme_params_equal_cpu_params(tmp_path, world):
             cpu, nvme = (r[dtype, opt, optimizer, p] for p in ("cpu", "nvme"))
             what = (world, dtype, opt, optimizer)
             assert nvme["files"] == 3 and cpu["files"] == 0, what  # every unit's shard in a file
+            # one rank on a CPU: every shard is read straight into its unit's weights, never
+            # through its buffer ([Note: reading into the weights]); with two, rank 0's ranges
+            # start on a sector (rank 1's, of these tiny units, do not: the buffer and a copy)
+            if world == 1 or r["rank"] == 0:
+                assert nvme["in_place"] == 3 and nvme["buffer_reads"] == 0, (what, nvme["in_place"])
+            else:
+                assert nvme["in_place"] == 0 and nvme["buffer_reads"] > 0, (what, nvme["in_place"])
             assert nvme["nvme_weights"] == nvme["shard_bytes"] > 0, what
             assert nvme["losses"] == cpu["losses"], what
             _exact(nvme["weights"], cpu["weights"], what)

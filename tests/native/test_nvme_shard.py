@@ -85,3 +85,58 @@ def test_a_buffer_read_again_is_aligned_for_direct_io_and_counted_at_its_size(tm
     finally:
         s.close()
         tier.close()
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def test_a_slot_is_read_in_place_and_gives_its_pages_back_when_not_gathered(tmp_path):
+    """[Note: reading into the weights]: with a slot (the unit's own range of its weights) a read
+    the unit asks for lands in the slot, never in the buffer; a gather keeps the slot's pages
+    (drop_clean), a read ahead made stale gives them back (RSS measured, not the ledger), and a
+    read for anyone else still goes through the buffer."""
+    from zerokit.io import huge_pages
+
+    n = 32 << 20  # bf16 elements: 64 MiB, far above RSS noise
+    nbytes = n * 2
+    ledger = Ledger()
+    tier = NvmeTier(ledger, str(tmp_path), config=AioConfig(block_size=1 << 20, queue_depth=4))
+    file = tier.allocate("u0/shard", "weights", n, torch.bfloat16)
+    buffer = aligned_empty(nbytes).view(torch.bfloat16)
+    slot = aligned_empty(nbytes).view(torch.bfloat16)  # as the unit's flat: pages given back
+    huge_pages.release(slot.data_ptr(), nbytes)
+    s = NvmeShard(tier, file, buffer, ledger, slot=slot)
+    try:
+        values = torch.randn(n).to(torch.bfloat16)
+        s.write_values(values)  # the construction buffer is stale: freed
+        assert buffer.untyped_storage().nbytes() == 0
+        before = _rss()
+        s.fetch(into_slot=True)
+        got = s.ready(into_slot=True)
+        assert got is slot and torch.equal(slot, values)
+        assert buffer.untyped_storage().nbytes() == 0  # the buffer never held them
+        assert ledger.bytes(kind="buffers") == nbytes
+        assert _rss() - before > 0.9 * nbytes  # the read faulted the slot's pages in
+        s.drop_clean()  # gathered: the values are the unit's weights now
+        assert torch.equal(slot, values) and _rss() - before > 0.9 * nbytes
+        assert ledger.bytes(kind="buffers") == 0
+        huge_pages.release(slot.data_ptr(), nbytes)  # the unit releases its weights
+        assert _rss() - before < 0.1 * nbytes
+        # a read ahead into the released slot, then the file written by someone else: stale,
+        # and its pages go back with it
+        s.fetch(into_slot=True)
+        s.ready(into_slot=True)
+        assert _rss() - before > 0.9 * nbytes
+        s.write_values(values * 2)
+        assert _rss() - before < 0.1 * nbytes and not s.in_host_memory
+        assert ledger.bytes(kind="buffers") == 0
+        # a read for someone else (shard_values, a gathered unit): through the buffer
+        got = s.ready()
+        assert got is buffer and torch.equal(got, values * 2)
+        assert not torch.equal(slot, values * 2)
+    finally:
+        s.close()
+        tier.close()

@@ -23,6 +23,8 @@ HUGE_PAGE = 2 << 20
 MIN_BYTES = 8 << 20
 _SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+PAGE = mmap.PAGESIZE
 
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -53,3 +55,23 @@ def advise(ptr: int, nbytes: int) -> int:
         return 0
     return end - start
 
+
+
+def can_release() -> bool:
+    """Whether `release` can hand pages back (Linux: madvise)."""
+    return _libc is not None
+
+
+def release(ptr: int, nbytes: int) -> int:
+    """Hands the whole pages inside [ptr, ptr + nbytes) back to the kernel (MADV_DONTNEED): the
+    process's RSS drops at once and the addresses stay valid, reading zeros until written again.
+    For memory that keeps its address while empty (a unit's weights read from NVMe in place,
+    units/unit.py). Returns the bytes released; raises OSError where the kernel refused."""
+    start = -(-ptr // PAGE) * PAGE
+    end = (ptr + nbytes) // PAGE * PAGE
+    if _libc is None or end <= start:
+        return 0
+    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_DONTNEED) of {end - start} bytes at {start:#x} failed")
+    return end - start

@@ -17,6 +17,19 @@ device part's are staged through a temporary host copy and written at once. The 
 waited at the end of the step (`settle`, from Unit.wait_weights) and before any read of the file;
 the step therefore holds no copy of the shards in host memory. Every wait on the file raises
 AioError naming the file (a deleted one: "opening", a truncated one: "short file").
+
+[Note: reading into the weights]
+On a CPU device the buffer is a copy the gather makes for nothing: the unit's full weights
+(`flat`) are host memory too, and its own range of them is where the values end up. There the
+unit hands its shard its own range (`slot`): `flat` keeps one sector-aligned address for the
+unit's life, a release hands its pages back to the kernel (huge_pages.release) instead of
+freeing the storage, and a read the unit asks for (`fetch(into_slot=True)`, only while its
+weights are released or being re-gathered) goes from the file straight into that range. The
+residency table is the same; the values are in `target`, the buffer or the slot. Counted alike
+in the ledger ("buffers" while read ahead, the unit's "weights" once gathered), so nothing the
+budget sees changes; what goes is one copy of every unit per gather (at 1B, with bf16 weights,
+2 GB a forward and again a backward, on the compute thread) and the buffer's own pages.
+A read for anyone else (`shard_values`, a gathered unit's values) still uses the buffer.
 """
 from __future__ import annotations
 
@@ -24,6 +37,7 @@ import torch
 
 from zerokit.tier_names import TierName
 from zerokit.states import ShardResidency, move
+from zerokit.io import huge_pages
 from zerokit.io.buffers import aligned_empty
 from zerokit.tiers.nvme import FileRange, NvmeHandle, NvmeTier
 
@@ -57,8 +71,12 @@ class FileHome:
 class NvmeShard:
     """One unit's weight shard file and its host buffer (see [Note: weight shards on NVMe])."""
 
-    def __init__(self, nvme: NvmeTier, file: FileRange, buffer: torch.Tensor, ledger):
+    def __init__(self, nvme: NvmeTier, file: FileRange, buffer: torch.Tensor, ledger,
+                 slot: torch.Tensor | None = None):
         self.nvme, self.file, self.buffer, self.ledger = nvme, file, buffer, ledger
+        # the unit's own range of its weights, read into in place ([Note: reading into the weights])
+        self.slot = slot
+        self.target = buffer  # where the values are, or are being read to: the buffer or the slot
         self._nbytes = buffer.numel() * buffer.element_size()
         self._pinned = buffer.is_pinned()
         self._read: NvmeHandle | None = None
@@ -73,15 +91,22 @@ class NvmeShard:
         """The buffer holds storage (a read ahead, or values on their way to a gather)."""
         return self.residency is not ShardResidency.EMPTY
 
-    def fetch(self) -> None:
-        """Start reading the file into the buffer (the first level of the stage-3 prefetch)."""
+    def fetch(self, into_slot: bool = False) -> None:
+        """Start reading the file into the buffer (the first level of the stage-3 prefetch), or
+        into the unit's own range of its weights where it has one and asks for it (into_slot:
+        the unit's weights are released or being gathered anew)."""
         if self.residency is not ShardResidency.EMPTY:
             return
         self.settle()  # the last step's writes land before the file is read
-        if self.buffer.untyped_storage().nbytes() == 0:
-            self._allocate()
-            self._release = self.ledger.transient("buffers", self.buffer, tier=TierName.HOST)
-        self._read = self.nvme.read(self.file, self.buffer)
+        if into_slot and self.slot is not None:
+            self.target = self.slot
+            self._release = self.ledger.transient("buffers", self.slot, tier=TierName.HOST)
+        else:
+            self.target = self.buffer
+            if self.buffer.untyped_storage().nbytes() == 0:
+                self._allocate()
+                self._release = self.ledger.transient("buffers", self.buffer, tier=TierName.HOST)
+        self._read = self.nvme.read(self.file, self.target)
         self._move(ShardResidency.READING)
 
     def _allocate(self) -> None:
@@ -92,9 +117,10 @@ class NvmeShard:
         self.buffer.set_(fresh.untyped_storage(), fresh.storage_offset() // self.buffer.element_size(),
                          self.buffer.shape)
 
-    def ready(self) -> torch.Tensor:
-        """The buffer, holding the file's values (waits for the read in flight, or reads now)."""
-        self.fetch()
+    def ready(self, into_slot: bool = False) -> torch.Tensor:
+        """`target` (the buffer, or the unit's slot), holding the file's values: waits for the
+        read in flight, or reads now (into the slot if into_slot, as `fetch`)."""
+        self.fetch(into_slot)
         if self.residency is ShardResidency.READING:
             handle, self._read = self._read, None
             phase, self.ledger.phase = self.ledger.phase, "io wait"  # the timeline's phase
@@ -106,7 +132,7 @@ class NvmeShard:
             finally:
                 self.ledger.phase = phase
             self._move(ShardResidency.RESIDENT)
-        return self.buffer
+        return self.target
 
     def drop_stale(self) -> None:
         """Someone else wrote the file: the buffer's values (or a read in flight) are old."""
@@ -116,12 +142,17 @@ class NvmeShard:
             self._free()
 
     def drop_clean(self) -> None:
-        """Free the buffer once a gather copied it (the file holds its values)."""
+        """Free the buffer once a gather copied it (the file holds its values); values read
+        into the slot are the gathered weights now: the unit keeps its pages."""
         if self.residency is ShardResidency.RESIDENT:
-            self._free()
+            self._free(keep_slot=True)
 
-    def _free(self) -> None:
-        self.buffer.untyped_storage().resize_(0)
+    def _free(self, keep_slot: bool = False) -> None:
+        if self.target is self.buffer:
+            self.buffer.untyped_storage().resize_(0)
+        elif not keep_slot:  # a read ahead into the released weights, not gathered: pages back
+            huge_pages.release(self.slot.data_ptr(), self.slot.numel() * self.slot.element_size())
+        self.target = self.buffer
         if self._release is not None:
             self._release()
             self._release = None
@@ -142,8 +173,8 @@ class NvmeShard:
             self.ready()
         # The buffer's own values going to the file (construction) keep it current; any other
         # write leaves it stale, so it goes.
-        own = (self.residency is ShardResidency.RESIDENT
-               and src.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
+        own = (self.residency is ShardResidency.RESIDENT and src.data_ptr() == self.target.data_ptr()
+               and src.numel() == self.target.numel())
         if self.residency is ShardResidency.RESIDENT and not own:
             self._free()
         src = src.detach().reshape(-1)

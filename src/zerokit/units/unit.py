@@ -56,6 +56,7 @@ import torch.nn as nn
 
 from zerokit.comm.collectives import Comm, Handle, require_backed
 from zerokit.io import huge_pages
+from zerokit.io.buffers import ALIGN, aligned_empty
 from zerokit.policy.layout import UnitLayout, plan_layout
 from zerokit.units.lease import ReadLease
 from zerokit.units.reduction import GradientReduction
@@ -156,6 +157,9 @@ class Unit(GradientReduction):
         """Allocate the layout's records (see [Note: unit layout records] in policy/layout.py) and
         fill them from the parameters' current values; fp32 values become the masters exactly."""
         bufs: dict[str, torch.Tensor] = {}
+        # [Note: reading into the weights] in tiers/nvme_shard.py: a shard on NVMe is read straight
+        # into `flat` where that is host memory that can keep its address while released
+        self.reads_in_place = self._can_read_in_place()
         for r in self.layout.records:
             if r.alias_of is not None:
                 target = self.layout.record(r.alias_of)
@@ -164,6 +168,9 @@ class Unit(GradientReduction):
                 from zerokit.parts.nvme import host_buffer
 
                 bufs[r.name] = host_buffer(r.numel, r.dtype)
+            elif r.transient and r.name == "weights" and self.reads_in_place:
+                nbytes = r.numel * r.dtype.itemsize  # one address for the unit's life
+                bufs[r.name] = aligned_empty(nbytes).view(r.dtype).zero_()
             elif r.transient:  # counted while it has storage (see gather / _free_flat)
                 bufs[r.name] = torch.zeros(r.numel, dtype=r.dtype, device=self.device)
             else:
@@ -192,7 +199,9 @@ class Unit(GradientReduction):
             from zerokit.tiers.nvme_shard import NvmeShard
 
             self.shard = bufs["shard_buffer"]
-            self.nvme_shard = NvmeShard(tiers[TierName.NVME], bufs["shard"], self.shard, self.ledger)
+            lo, hi = self.shard_range
+            self.nvme_shard = NvmeShard(tiers[TierName.NVME], bufs["shard"], self.shard, self.ledger,
+                                        slot=flat[lo:hi] if self.reads_in_place else None)
         self._placeholder = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
         self._state = WeightState.GATHERED
         if self.shard is not None and not self.weights_are_shard:
@@ -298,10 +307,20 @@ class Unit(GradientReduction):
         self._start_gather()  # persistent / still-gathered units gather anew
 
     # ---- a weight shard on NVMe ([Note: weight shards on NVMe] in tiers/nvme_shard.py) ---------
+    def _can_read_in_place(self) -> bool:
+        """A shard on NVMe, `flat` in host memory whose pages can be handed back while it keeps
+        its address, and this rank's range of it on a sector (O_DIRECT reads straight into it)."""
+        if self.device.type != "cpu" or not huge_pages.can_release():
+            return False
+        if not any(r.name == "shard_buffer" for r in self.layout.records):
+            return False
+        lo = self.shard_range[0]
+        return lo * self.compute_dtype.itemsize % ALIGN == 0
+
     def fetch(self) -> None:
         """Start reading the shard from NVMe (a prefetch); nothing for a shard in memory."""
         if self.nvme_shard is not None and self.state is WeightState.SHARDED:
-            self.nvme_shard.fetch()
+            self.nvme_shard.fetch(into_slot=True)
 
     def shard_values(self) -> torch.Tensor:
         """This rank's shard of the compute weights (read from its file if on NVMe)."""
@@ -321,9 +340,11 @@ class Unit(GradientReduction):
         if self.state is not WeightState.SHARDED:
             return
         if self.nvme_shard is not None:  # read from NVMe first (or wait for the prefetch's read)
-            self.nvme_shard.ready()
+            self.nvme_shard.ready(into_slot=True)
         nbytes = self.padded_numel * self.flat.element_size()
-        if self.flat.untyped_storage().nbytes() != nbytes:
+        if self.reads_in_place:  # its pages, handed back at release, fault in again
+            self._release_bytes = self.ledger.transient("weights", self.flat)
+        elif self.flat.untyped_storage().nbytes() != nbytes:
             self.flat.untyped_storage().resize_(nbytes)
             if self.flat.device.type == "cpu" and nbytes >= huge_pages.MIN_BYTES:
                 # Fresh, untouched memory every gather (autograd holds views of this storage, so
@@ -345,7 +366,10 @@ class Unit(GradientReduction):
         if self.nvme_shard is not None:
             # From NVMe through the host buffer: waits for its read (or reads now). The buffer is
             # freed once copied (on CUDA the pinned allocator keeps it until the copy is done).
-            own.copy_(self.nvme_shard.ready(), non_blocking=self.nvme_shard.buffer.is_pinned())
+            # Read in place, the values are in `own` already ([Note: reading into the weights]).
+            values = self.nvme_shard.ready(into_slot=True)
+            if values.data_ptr() != own.data_ptr():
+                own.copy_(values, non_blocking=self.nvme_shard.buffer.is_pinned())
             self.nvme_shard.drop_clean()
             self._gather_handle = self.comm.all_gather(self.flat, self.name, async_op=True,
                                                        unit=self.index)
@@ -440,7 +464,10 @@ class Unit(GradientReduction):
 
     def _free_flat(self) -> None:
         self._point_params_at(None)
-        self.flat.untyped_storage().resize_(0)
+        if self.reads_in_place:  # the pages go, the address stays (the shard reads into it)
+            huge_pages.release(self.flat.data_ptr(), self.flat.numel() * self.flat.element_size())
+        else:
+            self.flat.untyped_storage().resize_(0)
         self._move(WeightState.SHARDED)
         if self._release_bytes is not None:
             self._release_bytes()
