@@ -56,7 +56,6 @@ def advise(ptr: int, nbytes: int) -> int:
     return end - start
 
 
-
 def can_release() -> bool:
     """Whether `release` can hand pages back (Linux: madvise)."""
     return _libc is not None
