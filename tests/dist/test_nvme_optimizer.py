@@ -69,6 +69,7 @@ def _train(rank, world, cfg, fail=None):
            "report": engine.memory_report(), "io": engine.nvme_io(),
            "nvme_bytes": engine.ledger.bytes(tier="nvme"),
            "nvme_numel": sum(u.layout.nvme_numel for u in engine.units),
+           "held_numel": sum(u.layout.held_nvme_numel for u in engine.units),
            "host_numel": sum(u.host_numel for u in engine.units)}
     engine.destroy()
     return out
@@ -269,6 +270,7 @@ def _train_accumulating(rank, world, cfg, gas):
            "host_grads": engine.ledger.bytes(tier="host", kind="grads"),
            "nvme_grads": engine.ledger.bytes(tier="nvme", kind="grads"),
            "nvme_numel": sum(u.layout.nvme_numel for u in engine.units),
+           "held_numel": sum(u.layout.held_nvme_numel for u in engine.units),
            "read_ahead": dict(engine.nvme_tier.read_ahead.stats) if engine.nvme_tier else None,
            "read_ahead_limit": engine.nvme_tier.read_ahead.limit if engine.nvme_tier else None,
            "io": engine.nvme_io(), "report": engine.memory_report()}
@@ -306,19 +308,31 @@ def test_gradients_on_nvme_accumulate_like_cpu_offload(tmp_path, stage, dtype, g
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,dtype,gas,clip", [(2, "fp32", 1, 0.0), (3, "bf16", 3, 1.0), (1, "fp32", 2, 0.0)])
-def test_nvme_gradients_held_in_host_memory_step_like_cpu_offload(tmp_path, stage, dtype, gas, clip):
+@pytest.mark.parametrize("stage,dtype,gas,clip,held", [
+    (2, "fp32", 1, 0.0, None), (3, "bf16", 3, 1.0, None), (1, "fp32", 2, 0.0, None),
+    (3, "fp32", 3, 1.0, 4000), (2, "bf16", 2, 0.0, 4000)])
+def test_nvme_gradients_held_in_host_memory_step_like_cpu_offload(tmp_path, stage, dtype, gas, clip,
+                                                                  held):
     """offload_optimizer.nvme_gradients 'host': the nvme part's gradients wait for the step in
     host memory (counted as host grads, 4 B per nvme element), no gradient file, nothing read
     back; the weights equal cpu offload's bit for bit, with accumulation and with clipping that
-    applies (the scale-sensitive update)."""
+    applies (the scale-sensitive update). With nvme_gradients_max_in_cpu (`held`) the first
+    parts that fit hold theirs and the others have files, in one stream: the same bits."""
+    extra = {"nvme_gradients": "host"}
+    if held is not None:
+        extra["nvme_gradients_max_in_cpu"] = held
     cpu = run_world(_train_accumulating, 2, _config(stage, dtype, "SGD", "cpu", None, clip=clip), gas)
     nvme = run_world(_train_accumulating, 2, _config(stage, dtype, "SGD", "nvme", str(tmp_path), clip=clip,
-                                                     extra={"nvme_gradients": "host"}), gas)
+                                                     extra=extra), gas)
     for r in range(2):
-        assert nvme[r]["nvme_grads"] == 0
-        assert nvme[r]["host_grads"] == 4 * nvme[r]["nvme_numel"] > 0
-        assert nvme[r]["read_ahead"] == {"ahead": 0, "now": 0} and nvme[r]["read_ahead_limit"] == 0
+        if held is None:
+            assert nvme[r]["nvme_grads"] == 0
+            assert nvme[r]["host_grads"] == 4 * nvme[r]["nvme_numel"] > 0
+            assert nvme[r]["read_ahead"] == {"ahead": 0, "now": 0} and nvme[r]["read_ahead_limit"] == 0
+        else:  # some parts each way, counted where they are
+            assert 0 < nvme[r]["held_numel"] <= held
+            assert nvme[r]["host_grads"] == 4 * nvme[r]["held_numel"]
+            assert nvme[r]["nvme_grads"] == 4 * (nvme[r]["nvme_numel"] - nvme[r]["held_numel"]) > 0
         assert nvme[r]["losses"] == cpu[r]["losses"]
         _exact(nvme[r]["weights"], cpu[r]["weights"])
     if dtype == "fp32":  # and an independent reference: torch's Adam, linear in the gradient here

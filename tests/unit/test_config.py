@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from zerokit.config import ConfigError, ZeroKitConfig, load_config, resolve_auto
 
@@ -228,7 +229,7 @@ def test_the_nvme_stream_pipelines_unless_the_config_says_not_to() -> None:
     def settings(**keys):
         off = {"device": "nvme", "nvme_path": "/tmp", **keys}
         cfg = load_config({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": off}})
-        return stream_settings(cfg, PlacementPolicy())
+        return stream_settings(cfg, PlacementPolicy(), [])
 
     default = settings()
     assert (default.pipeline_read, default.pipeline_write, default.read_ahead) == (True, True, 2)
@@ -241,13 +242,16 @@ def test_nvme_gradients_says_where_the_nvme_parts_gradients_wait() -> None:
     'host' (held in RAM: no gradient file, the stream reads none); 'auto' holds them only while
     stepping in backward; 'host' with the delayed update is refused, naming both keys."""
     from zerokit.engine.byte_plan import stream_settings
-    from zerokit.policy import PlacementPolicy
+    from zerokit.policy import PartitionPolicy, PlacementPolicy
+    from zerokit.policy.layout import plan_layout
 
     def placement(**keys):
         off = {"device": "nvme", "nvme_path": "/tmp", "step_in_backward": False, **keys}
         cfg = load_config({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": off}})
         p = PlacementPolicy.from_config(cfg.zero_optimization)
-        return p, stream_settings(cfg, p)
+        layout = plan_layout(10_000, 1, 0, PartitionPolicy.for_stage(2), p, torch.float32,
+                             torch.float32, trainable=True)
+        return p, stream_settings(cfg, p, [layout])
 
     for keys, held in (({}, False), ({"nvme_gradients": "file"}, False),
                        ({"nvme_gradients": "host"}, True), ({"step_in_backward": True}, True)):
@@ -262,6 +266,49 @@ def test_nvme_gradients_says_where_the_nvme_parts_gradients_wait() -> None:
     with pytest.raises(ValueError, match=r"nvme_gradients"):
         load_config({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {
             "device": "nvme", "nvme_path": "/tmp", "nvme_gradients": "disk"}}})
+
+
+def test_nvme_gradients_max_in_cpu_holds_whole_parts_first_units_first() -> None:
+    """offload_optimizer.nvme_gradients_max_in_cpu (zerokit): with nvme_gradients 'host', the
+    first nvme parts that fit hold their gradients in RAM, the rest get gradient files; the host
+    need counts the held ones only; step_in_backward 'auto' turns off, true and 'file' are
+    refused naming the keys."""
+    import torch.nn as nn
+
+    from zerokit.engine.byte_plan import plan_layouts, planned_host_need, stream_settings
+    from zerokit.policy import PartitionPolicy, PlacementPolicy
+
+    units = [("a", None, 0, True, [("w", nn.Parameter(torch.zeros(4096)))]),
+             ("b", None, 0, True, [("w", nn.Parameter(torch.zeros(8192)))]),
+             ("c", None, 0, True, [("w", nn.Parameter(torch.zeros(4096)))])]
+
+    def plan(**keys):
+        off = {"device": "nvme", "nvme_path": "/tmp", "nvme_gradients": "host", **keys}
+        cfg = load_config({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": off}})
+        p = PlacementPolicy.from_config(cfg.zero_optimization)
+        layouts = plan_layouts(units, 1, 0, False, PartitionPolicy.for_stage(2), torch.float32,
+                               torch.float32, 4, p)
+        return cfg, p, layouts
+
+    # 'a' (4096) fits, 'b' (8192) does not with 6000 left, 'c' (4096) does
+    cfg, p, layouts = plan(nvme_gradients_max_in_cpu=10_000)
+    assert not p.step_in_backward and not p.holds_nvme_gradients
+    assert [lay.has("nvme_grad0") for lay in layouts] == [False, True, False]
+    assert [lay.held_nvme_numel for lay in layouts] == [4096, 0, 4096]
+    assert stream_settings(cfg, p, layouts).gradients_in_files
+    assert planned_host_need(cfg, p, layouts, "adam").grads == 4 * 8192
+    assert "up to 10,000 elements per rank" in p.describe()
+    cfg, every, layouts = plan()  # left out: every part's, and stepping in backward ('auto')
+    assert every.holds_nvme_gradients and every.step_in_backward
+    cfg, none, layouts = plan(nvme_gradients_max_in_cpu=0, step_in_backward=False)
+    assert all(lay.has("nvme_grad0") for lay in layouts)
+    assert planned_host_need(cfg, none, layouts, "adam").grads == 0
+    with pytest.raises(ValueError, match=r"nvme_gradients_max_in_cpu=5 .* needs offload_optimizer"
+                                         r"\.nvme_gradients 'host' \(got 'file'\)"):
+        plan(nvme_gradients="file", nvme_gradients_max_in_cpu=5)
+    with pytest.raises(ValueError, match=r"nvme_gradients_max_in_cpu=5 with offload_optimizer"
+                                         r"\.step_in_backward true"):
+        plan(nvme_gradients_max_in_cpu=5, step_in_backward=True)
 
 
 @pytest.mark.parametrize("key", ["nvme_gradients", "gradient_dtype", "step_in_backward"])

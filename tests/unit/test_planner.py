@@ -239,7 +239,7 @@ def test_step_time_is_the_stated_model(world, cuda, gathers):
     assert p.time_parts["device Adam"] == 0
     assert p.time_parts["host Adam"] == pytest.approx(n / 400e6)
     assert p.time_parts["host copies"] == pytest.approx((2 * 4 * n * gathers + (4 + 4) * n) / 10e9)
-    assert "disk read" not in p.time_parts
+    assert not any(k.startswith("disk") for k in p.time_parts)
     assert p.seconds == pytest.approx(sum(p.time_parts.values()))
     assert "chosen:" in plan.explain() and "placements considered" in plan.explain()
 
@@ -261,11 +261,35 @@ def test_bandwidths_are_measured_once_per_machine_and_path_and_cached(tmp_path, 
     assert calls == [str(tmp_path), None]
     entries = json.loads((tmp_path / "cache" / "bandwidths.json").read_text())
     assert len(entries) == 2 and all("measured_at" in e for e in entries.values())
-    # the real probe on this disk gives positive rates
-    read, write = bandwidths.disk_rates(str(tmp_path), 8 << 20)
-    assert read > 0 and write > 0 and not list(tmp_path.glob(".zerokit-bandwidth-probe-*"))
+    # the real probe on this disk gives positive rates, both directions at once too
+    read, write, mixed = bandwidths.disk_rates(str(tmp_path), 8 << 20)
+    assert read > 0 and write > 0 and mixed > 0
+    assert not list(tmp_path.glob(".zerokit-bandwidth-probe-*"))
     with pytest.raises(ValueError, match="bandwidth host_copy must be a positive number"):
         Bandwidths(0, None, None, 1, 1)
+    # a cache entry from before the mixed rate is measured again, and then has it
+    cached = json.loads((tmp_path / "cache" / "bandwidths.json").read_text())
+    for entry in cached.values():
+        entry.pop("disk_mixed")
+    (tmp_path / "cache" / "bandwidths.json").write_text(json.dumps(cached))
+    monkeypatch.setattr(bandwidths, "PROBE", lambda path, device: probe(path, device).__class__(
+        1e9, 2e9, 3e9, 4e6, 5e6, "", "measured", 4e9))
+    assert bandwidths.rates(str(tmp_path), torch.device("cpu")).disk_mixed == 4e9
+    assert bandwidths.rates(str(tmp_path), torch.device("cpu")).source.startswith("cached in")
+
+
+def test_reads_and_writes_at_once_take_the_slowest_of_each_direction_and_both_at_the_mixed_rate():
+    """Bandwidths.disk_seconds: the stream and the gradient files read and write together."""
+    serial = Bandwidths(1e9, 2e9, 1e9, 4e6, 5e6)
+    assert serial.disk_seconds(4e9, 4e9) == pytest.approx(2 + 4)  # no mixed rate: one after the other
+    duplex = Bandwidths(1e9, 2e9, 1e9, 4e6, 5e6, disk_mixed=2.5e9)
+    assert duplex.disk_seconds(4e9, 4e9) == pytest.approx(4)  # the writes alone
+    assert duplex.disk_seconds(4e9, 1e9) == pytest.approx(2)  # the reads alone, and both: 5/2.5
+    assert duplex.disk_seconds(3e9, 1.5e9) == pytest.approx(4.5 / 2.5)  # both at the mixed rate
+    assert duplex.disk_seconds(0, 0) == serial.disk_seconds(0, 0) == 0
+    assert Bandwidths.from_list(duplex.as_list(), "", "x").disk_mixed == 2.5e9
+    assert Bandwidths.from_list(serial.as_list(), "", "x").disk_mixed is None
+    assert "both at once 2.50 GB/s" in duplex.describe()
 
 
 def test_initialize_fills_auto_devices_from_the_plan(tmp_path, monkeypatch):
@@ -398,9 +422,12 @@ def test_accumulation_holds_the_nvme_gradients_in_ram_where_the_budget_allows():
     # 4 B per NVMe element, in RAM instead (and no buffers carrying them to and from files)
     assert held.bytes[HOST]["grads"] - files.bytes[HOST]["grads"] == grads
     once = predict(1, False)
-    for what, rate in (("disk read", BW.disk_read), ("disk write", BW.disk_write)):
-        assert files.time_parts[what] - once.time_parts[what] == pytest.approx(3 * grads / rate)
-        assert held.time_parts[what] == pytest.approx(predict(1, True).time_parts[what])
+    refill = "disk: gradient files in backward"
+    assert once.time_parts[refill] == held.time_parts[refill] == 0
+    assert files.time_parts[refill] == pytest.approx(3 * grads / BW.disk_read + 3 * grads / BW.disk_write)
+    stream = "disk: the step's stream"
+    assert files.time_parts[stream] == pytest.approx(once.time_parts[stream])
+    assert held.time_parts[stream] == pytest.approx(predict(1, True).time_parts[stream])
     assert held.seconds < files.seconds
     plan = choose(inputs(_host_need(held) + (1 << 20), 4), BW)
     assert plan.chosen.choice.nvme_grads_held, plan.explain()
@@ -414,6 +441,53 @@ def test_accumulation_holds_the_nvme_gradients_in_ram_where_the_budget_allows():
                                       accumulation=4), BW)
     assert not kept.chosen.choice.nvme_grads_held
     assert not any(p.choice.nvme_grads_held for p in kept.considered)
+
+
+def test_a_budget_between_files_and_every_gradient_held_holds_the_first_parts():
+    """Where RAM holds some of the NVMe parts' gradients but not all, the planner holds the
+    first whole parts' (nvme_gradients_max_in_cpu) rather than none: at accumulation 4 each held
+    byte saves more file traffic than max_in_cpu's. Its bytes and disk time lie between the two
+    ends, and the config carries the key."""
+    import dataclasses
+
+    cfg = _cfg(zero={"offload_param": {"device": "cpu"},
+                     "offload_optimizer": {"device": "nvme", "step_in_backward": False}})
+
+    # gradients well beyond the file machinery's own buffers (its write window, read-ahead)
+    # and the stream's buffer sets, which grow with a unit, not with the model: 48 blocks of
+    # 3M elements, on the meta device (the planner reads sizes only)
+    with torch.device("meta"):
+        model = tiny_gpt(cfg=GPTConfig(vocab_size=256, block_size=16, n_layer=48, n_head=4,
+                                       n_embd=512, bias=False))
+
+    def inputs(budget):
+        return dataclasses.replace(_inputs(cfg, budget, process=50 << 20, model=model),
+                                   accumulation=4)
+
+    def predict(held, gmax=None):
+        return planner.predict(inputs(1 << 30), planner.Choice("cpu", 0, 5, "nvme", 1.0, 0, 4,
+                                                                False, held, gmax), BW)
+
+    files, every = predict(False), predict(True)
+    assert _host_need(files) < _host_need(every)
+    budget = (_host_need(files) + _host_need(every)) // 2
+    plan = choose(inputs(budget), BW)
+    chosen = plan.chosen.choice
+    assert chosen.nvme_grads_held and chosen.grad_max_in_cpu, plan.explain()
+    off = plan.config.zero_optimization.offload_optimizer
+    assert (off.nvme_gradients, off.nvme_gradients_max_in_cpu) == ("host", chosen.grad_max_in_cpu)
+    assert not off.step_in_backward
+    assert "the rest in files" in plan.explain()
+    assert _host_need(plan.chosen) <= budget
+    part = predict(True, chosen.grad_max_in_cpu)
+    assert 0 < part.bytes[NVME]["grads"] < files.bytes[NVME]["grads"]
+    refill = "disk: gradient files in backward"
+    assert every.time_parts[refill] == 0 < part.time_parts[refill] < files.time_parts[refill]
+    # the points tried: whole parts only, none beyond what fits
+    tried = {p.choice.grad_max_in_cpu for p in plan.considered if p.choice.nvme_grads_held}
+    assert len(tried) > 1 and all(p.fits for p in plan.considered
+                                  if p.choice.nvme_grads_held and p.choice.opt_max_in_cpu == 0
+                                  and p.choice.grad_max_in_cpu in tried)
 
 
 @pytest.mark.parametrize("param, world, gathers", [("cpu", 1, False), ("nvme", 1, True), ("cpu", 2, True)])

@@ -252,7 +252,8 @@ def _same_disk(a: str, b: str) -> bool:
 
 def _nvme_executor(cfg, units: list[Unit], nvme: NvmeTier, torch_optimizer, ledger: Ledger,
                    placement: PlacementPolicy) -> NvmeExecutor:
-    executor = NvmeExecutor(units, nvme, stream_settings(cfg, placement), ledger, placement)
+    executor = NvmeExecutor(units, nvme, stream_settings(cfg, placement, [u.layout for u in units]),
+                            ledger, placement)
     executor.bind(torch_optimizer)  # fails here, naming the optimizer, if it has no host kernel
     return executor
 

@@ -43,22 +43,25 @@ def plan_layouts(groups: list, world: int, rank: int, cuda: bool, policy: Partit
     the engine's plan, the estimator's (zerokit.memory) and the planner's are this one function."""
     layouts, ram_left = [], placement.ram_numel  # the host budget, spent in unit order
     param_ram_left = placement.param_ram_numel  # offload_param.max_in_cpu, the same way
+    grad_ram_left = placement.grad_ram_numel or 0  # nvme_gradients_max_in_cpu, the same way
     for _name, _module, _group, trainable, params in groups:
         layouts.append(plan_layout(sum(p.numel() for _, p in params), world, rank,
                                    policy, placement, dtype, reduce, trainable=trainable,
                                    grad_accum_steps=accumulation, cuda=cuda,
-                                   ram_left=ram_left, param_ram_left=param_ram_left))
+                                   ram_left=ram_left, param_ram_left=param_ram_left,
+                                   grad_ram_left=grad_ram_left))
         ram_left -= layouts[-1].host_numel if placement.nvme else 0
+        grad_ram_left -= layouts[-1].held_nvme_numel
         if placement.params_on_nvme and layouts[-1].record("shard").tier is TierName.HOST:
             param_ram_left -= layouts[-1].shard_numel
     return layouts
 
 
-def stream_settings(cfg, placement: PlacementPolicy) -> StreamSettings:
+def stream_settings(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]) -> StreamSettings:
     off = cfg.zero_optimization.offload_optimizer
     return StreamSettings(cfg.zero_optimization.sub_group_size, off.buffer_count,
                           off.pipeline_read, off.pipeline_write,
-                          gradients_in_files=not placement.holds_nvme_gradients,
+                          gradients_in_files=any(lay.has("nvme_grad0") for lay in layouts),
                           weights_in_files=placement.params_on_nvme)
 
 
@@ -74,11 +77,11 @@ def planned_host_need(cfg, placement: PlacementPolicy, layouts: list[UnitLayout]
                                                               placement.state_dtype,
                                                               placement.gradient_dtype)
         need.grads += held
-    elif placement.holds_nvme_gradients:  # the nvme parts' gradients (host parts': records)
-        need.grads += placement.gradient_dtype.itemsize * sum(lay.nvme_numel for lay in layouts)
+    else:  # the nvme parts' gradients held without a file (host parts': records)
+        need.grads += placement.gradient_dtype.itemsize * sum(lay.held_nvme_numel for lay in layouts)
     largest = max((lay.nvme_numel for lay in layouts), default=0) if placement.nvme else 0
     if largest:
-        need.buffers += buffer_set_bytes(stream_settings(cfg, placement), kind, largest,
+        need.buffers += buffer_set_bytes(stream_settings(cfg, placement, layouts), kind, largest,
                                          placement.master_dtype, placement.state_dtype,
                                          placement.gradient_dtype)
     need.buffers += gradient_write_bytes(layouts)

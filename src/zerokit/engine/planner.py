@@ -10,9 +10,12 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    host and device Adam finish together, engine/auto_ratio.py `balance`), step_in_backward on
    and off, offload_optimizer.buffer_count 4 and 3, offload_param.buffer_count 5 and 2, and
    (optimizer on NVMe, stepped in step()) offload_optimizer.nvme_gradients 'file' and 'host'
-   (the gradients held in RAM: 4 bytes per element there, no gradient files). For each,
-   offload_param.max_in_cpu takes five points between none and the most whole shards RAM holds,
-   and offload_optimizer.max_in_cpu the most elements the host budget then holds (bisection).
+   (the gradients held in RAM: 4 bytes per element there, no gradient files; where not every
+   part's fits, nvme_gradients_max_in_cpu takes four points up to the most whole parts' RAM
+   holds, the other parts' gradients in files: `_grad_points`). For each, offload_param.max_in_cpu
+   takes five points between none and the most whole shards RAM holds, then the gradients'
+   points, and offload_optimizer.max_in_cpu the most elements the host budget then holds
+   (bisection).
 2. bytes: each candidate's model states per tier and kind are engine/byte_plan.py's rules on the
    engine's own units (`plan_layouts`, `planned_bytes`), never a second copy. The checks:
    host: the host tier's bytes + the process's own (RSS at initialize less the model's tensors,
@@ -28,13 +31,16 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    (engine/bandwidths.py): device-part elements / device Adam rate, host and nvme elements /
    host Adam rate, host copies (each host or nvme weight shard copied in 2 gathers per micro-
    step, none where the shard is the weights: [Note: one rank's shard is its weights]; each
-   offloaded element's gradient in and new weight out) / host copy rate, and disk
-   bytes (the nvme parts' files read and written once, engine/nvme_plan.py, and the gradient
-   files once more each way per micro-step after the first where each micro-step reduces: the
-   accumulation's read-add-write; the weight files read per gather and written once) / disk
-   read and write rates. Forward and backward compute
-   is the same for every candidate and left out; overlap is not modelled (the figure is the
-   serial sum), so read-ahead counts show only in bytes: between candidates within 0.5% in
+   offloaded element's gradient in and new weight out) / host copy rate, and disk time in
+   three phases: the weight files read per gather (forward and backward, the disk doing
+   nothing else) / the read rate; the gradient files once more each way per micro-step after
+   the first where each micro-step reduces (the accumulation's read-add-write, in backward);
+   the step's stream (the nvme parts' files read and written once, engine/nvme_plan.py, and the
+   weight files written). The last two read and write at once: Bandwidths.disk_seconds, no less
+   than either direction alone nor than both at the measured mixed rate (one after the other
+   where none was measured). Forward and backward compute
+   is the same for every candidate and left out; overlap with it is not modelled (the phases
+   add up), so read-ahead counts show only in bytes: between candidates within 0.5% in
    time the planner keeps fewer NVMe bytes, then the larger read-ahead, then fewer host bytes.
 4. choice: hot data stays in the fastest tier that fits: if any candidate without NVMe bytes
    fits, no candidate with them is chosen; then a candidate with the NVMe stream's full
@@ -75,6 +81,7 @@ from zerokit.tier_names import TierName
 OPT_BUFFER_COUNTS = (4, 3)  # the NVMe stream: read i+1, update i, write i-1 needs 3; 4 preferred
 PARAM_BUFFER_COUNTS = (5, 2)  # weight shards read ahead (DeepSpeed's default 5)
 PARAM_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # offload_param.max_in_cpu points, of what RAM holds
+GRAD_GRID = (0.25, 0.5, 0.75, 1.0)  # nvme_gradients_max_in_cpu points, of what RAM holds
 TIE = 0.005  # predicted times this close are a tie
 
 
@@ -97,6 +104,7 @@ class Choice:
     opt_buffer_count: int = 4
     step_in_backward: bool = False
     nvme_grads_held: bool = False  # offload_optimizer.nvme_gradients 'host' (without step_in_backward)
+    grad_max_in_cpu: int | None = None  # with nvme_grads_held: nvme_gradients_max_in_cpu (None: all)
 
     def keys(self, nvme_path: str | None) -> dict[str, dict[str, Any]]:
         """The config keys this choice sets, per offload section."""
@@ -108,7 +116,8 @@ class Choice:
         if self.optimizer == "nvme":
             opt.update(max_in_cpu=self.opt_max_in_cpu, buffer_count=self.opt_buffer_count,
                        nvme_path=nvme_path, nvme_gradients="host" if self.nvme_grads_held else
-                       "auto" if self.step_in_backward else "file")
+                       "auto" if self.step_in_backward else "file",
+                       nvme_gradients_max_in_cpu=self.grad_max_in_cpu if self.nvme_grads_held else None)
         par: dict[str, Any] = {"device": self.param}
         if self.param == "nvme":
             par.update(max_in_cpu=self.param_max_in_cpu, buffer_count=self.param_buffer_count,
@@ -128,7 +137,9 @@ class Choice:
             o += f" (Twin-Flow ratio {self.ratio:.2f})"
         if self.optimizer == "nvme":
             o += f" (max_in_cpu {self.opt_max_in_cpu:,}, buffers {self.opt_buffer_count}"
-            o += ", gradients in RAM)" if self.nvme_grads_held else ")"
+            o += (")" if not self.nvme_grads_held else ", gradients in RAM)"
+                  if self.grad_max_in_cpu is None else
+                  f", gradients in RAM up to {self.grad_max_in_cpu:,}, the rest in files)")
         if self.optimizer != "none":
             o += ", stepped in backward" if self.step_in_backward else ", stepped in step()"
         out.append(o)
@@ -244,6 +255,7 @@ class Freedom:
     param_buffer_counts: tuple[int, ...]
     nvme_path: str | None
     nvme_grads_held: tuple[bool, ...] = (False,)  # offload_optimizer.nvme_gradients 'host'
+    grad_max_in_cpu: tuple[int | None, ...] | None = None  # nvme_gradients_max_in_cpu (None: free)
 
 
 def _given(cfg, section: str) -> set[str]:
@@ -286,7 +298,8 @@ def freedom(cfg) -> Freedom:
         None if "max_in_cpu" not in par_set else par.max_in_cpu,
         (off.buffer_count,) if "buffer_count" in off_set else OPT_BUFFER_COUNTS,
         (par.buffer_count,) if "buffer_count" in par_set else PARAM_BUFFER_COUNTS,
-        path, held)
+        path, held, ((off.nvme_gradients_max_in_cpu,)
+                     if "nvme_gradients_max_in_cpu" in off_set else None))
 
 
 def asked(cfg, budgets: dict) -> bool:
@@ -381,8 +394,9 @@ def step_time(inputs: PlanInputs, placement: PlacementPolicy, layouts: list,
     again = gradient_refill_bytes(layouts)  # the accumulation's read-add-write
     w_read, w_write = nvme_plan.weight_traffic(layouts, m)
     if files or w_read:
-        parts["disk read"] = (files + again + w_read) / bw.disk_read
-        parts["disk write"] = (files + again + w_write) / bw.disk_write
+        parts["disk: weights read"] = w_read / bw.disk_read
+        parts["disk: gradient files in backward"] = bw.disk_seconds(again, again)
+        parts["disk: the step's stream"] = bw.disk_seconds(files, files + w_write)
     return parts
 
 
@@ -437,8 +451,9 @@ def _shapes(inputs: PlanInputs, free: Freedom, bw: Bandwidths) -> list[Choice]:
                             free.opt_buffer_counts if opt == "nvme" else (OPT_BUFFER_COUNTS[0],),
                             free.param_buffer_counts if param == "nvme" else (PARAM_BUFFER_COUNTS[0],),
                             helds):
+                        gmax = free.grad_max_in_cpu[0] if held and free.grad_max_in_cpu else None
                         out.append(Choice(param, free.param_max_in_cpu or 0, pb, opt, ratio,
-                                          free.opt_max_in_cpu or 0, ob, sib, held))
+                                          free.opt_max_in_cpu or 0, ob, sib, held, gmax))
     return out
 
 
@@ -478,21 +493,42 @@ def _fill(inputs: PlanInputs, free: Freedom, shape: Choice, bw: Bandwidths) -> l
         if k == len(prefix) - 1 and "cpu" in free.params:
             return []  # every shard in RAM: the 'cpu' candidate, without the files
         param_points = sorted({prefix[round(k * f)] for f in PARAM_GRID})
+    grad_free = shape.nvme_grads_held and free.grad_max_in_cpu is None
     out = []
     for pmax in param_points:
-        omax = shape.opt_max_in_cpu
-        if opt_free:
-            total = sum(lay.host_numel + lay.nvme_numel for lay in _layouts(
-                inputs, dataclasses.replace(base, ram_numel=huge, param_ram_numel=pmax)))
-            omax = _largest(lambda x: _host_fits(inputs, cfg, dataclasses.replace(
-                base, ram_numel=x, param_ram_numel=pmax)), total, SPLIT_ALIGN)
-            if omax >= total and "cpu" in free.optimizers:
-                continue  # every element in RAM: the 'cpu' candidate, without the stream
-        choice = dataclasses.replace(shape, param_max_in_cpu=pmax, opt_max_in_cpu=omax)
-        placement = dataclasses.replace(base, ram_numel=omax, param_ram_numel=pmax)
-        out.append(_predict(inputs, _resolved(inputs.cfg, choice, free.nvme_path), placement,
-                            Prediction(choice), bw))
+        for gmax in (_grad_points(inputs, cfg, dataclasses.replace(base, param_ram_numel=pmax))
+                     if grad_free else [shape.grad_max_in_cpu]):
+            at = dataclasses.replace(base, param_ram_numel=pmax, grad_ram_numel=gmax)
+            omax = shape.opt_max_in_cpu
+            if opt_free:
+                total = sum(lay.host_numel + lay.nvme_numel for lay in _layouts(
+                    inputs, dataclasses.replace(at, ram_numel=huge)))
+                omax = _largest(lambda x: _host_fits(inputs, cfg, dataclasses.replace(
+                    at, ram_numel=x)), total, SPLIT_ALIGN)
+                if omax >= total and "cpu" in free.optimizers:
+                    continue  # every element in RAM: the 'cpu' candidate, without the stream
+            choice = dataclasses.replace(shape, param_max_in_cpu=pmax, opt_max_in_cpu=omax,
+                                         grad_max_in_cpu=gmax)
+            out.append(_predict(inputs, _resolved(inputs.cfg, choice, free.nvme_path),
+                                dataclasses.replace(at, ram_numel=omax), Prediction(choice), bw))
     return out
+
+
+def _grad_points(inputs: PlanInputs, cfg, placement: PlacementPolicy) -> list[int | None]:
+    """nvme_gradients_max_in_cpu points for a shape holding gradients: None (every part's) where
+    that fits with no optimizer element in RAM, else GRAD_GRID of the most whole parts' that
+    fit (none held is the 'file' candidate). Spent before max_in_cpu: at m micro-steps a held
+    gradient saves 8 m bytes of file traffic per 4 of RAM, max_in_cpu 24 + 8 m per 16."""
+    files = dataclasses.replace(placement, ram_numel=0, grad_ram_numel=0)
+    prefix = [0]
+    for lay in _layouts(inputs, files):
+        if lay.nvme_numel:
+            prefix.append(prefix[-1] + lay.nvme_numel)
+    k = _largest(lambda i: _host_fits(inputs, cfg, dataclasses.replace(
+        files, grad_ram_numel=prefix[i])), len(prefix) - 1)
+    if k == len(prefix) - 1:
+        return [None]
+    return sorted({prefix[round(k * f)] for f in GRAD_GRID} - {0})
 
 
 def _tie_key(p: Prediction) -> tuple:

@@ -57,7 +57,7 @@ class StreamSettings:
     buffer_count: int = 4
     pipeline_read: bool = False
     pipeline_write: bool = False
-    gradients_in_files: bool = True  # False where held in host memory (placement.holds_nvme_gradients)
+    gradients_in_files: bool = True  # False where every part holds its gradient in host memory
     weights_in_files: bool = False  # offload_param device 'nvme': new 16-bit weights go to files
 
     @property
@@ -162,7 +162,9 @@ class NvmeExecutor(HostExecutor):
             out = next((p.out_file.dtype for p in self.parts if p.out_file is not None
                         and p.out_file.dtype != torch.float32), None)
             first = self.parts[0]  # one master / gradient / state dtype for every part (the placement's)
-            grad = first.gradient.range.dtype if self.settings.gradients_in_files else None
+            # the gradient files' dtype; None where every part holds its gradient in memory
+            grad = next((p.gradient.range.dtype for p in self.parts
+                         if isinstance(p.gradient, FileGradient)), None)
             self._sets = [_BufferSet(numel, STATE_NAMES[self.family], grad,
                                      out, first.master.dtype, first.state_dtype)
                           for _ in range(self.settings.buffer_count)]

@@ -146,6 +146,11 @@ class UnitLayout:
     def nvme_numel(self) -> int:
         return sum(p.numel for p in self.parts if p.tier is TierName.NVME)
 
+    @property
+    def held_nvme_numel(self) -> int:
+        """Elements of the nvme part whose gradient is held in host memory (no gradient file)."""
+        return 0 if self.has("nvme_grad0") else self.nvme_numel
+
     def bytes(self, tier: TierName, transient: bool = True) -> dict[str, int]:
         """Bytes the records own on `tier`, by ledger kind (aliases own nothing); transient=False
         leaves out the records whose storage exists only while in use (stage 3's gathered
@@ -192,7 +197,7 @@ def gradient_refill_bytes(layouts: list[UnitLayout]) -> int:
 def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
                 placement: PlacementPolicy, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                 *, trainable: bool, grad_accum_steps: int = 1, cuda: bool = False,
-                ram_left: int = 0, param_ram_left: int = 0) -> UnitLayout:
+                ram_left: int = 0, param_ram_left: int = 0, grad_ram_left: int = 0) -> UnitLayout:
     """The unit's buffers as records; see [Note: unit layout records]. Pure: allocates nothing.
 
     cuda: the compute device is a CUDA device (host buffers that cross are pinned, gradients
@@ -200,7 +205,10 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
     (offload_optimizer.max_in_cpu) the units before this one left: the offloaded range's first
     elements up to it stay in host memory, the rest is the nvme part. param_ram_left: with
     placement.params_on_nvme, elements of offload_param.max_in_cpu the units before this one
-    left: a shard that fits stays in host memory, else it is a file.
+    left: a shard that fits stays in host memory, else it is a file. grad_ram_left: with
+    placement.grad_ram_numel, gradient elements of offload_optimizer.nvme_gradients_max_in_cpu
+    the units before this one left: an nvme part that fits holds its gradient in host memory,
+    else it has a gradient file.
     """
     padded, shard_numel, own, (a, b) = geometry(numel, world, rank, partition.shard_optimizer)
     reductions = grad_accum_steps if partition.shard_gradients else 1
@@ -255,7 +263,7 @@ def plan_layout(numel: int, world: int, rank: int, partition: PartitionPolicy,
                                       shard_tier)
     if k > h:
         records += _nvme_part_records(placement, partition, compute_dtype, a + h, a + k, cuda,
-                                      shard_tier)
+                                      shard_tier, placement.holds_gradient(k - h, grad_ram_left))
     return UnitLayout(numel, padded, shard_numel, own, (a, b), parts, tuple(records), reductions,
                       placement.gradient_dtype)
 
@@ -289,7 +297,7 @@ def _host_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
 
 def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
                        compute_dtype: torch.dtype, lo: int, hi: int, cuda: bool,
-                       shard_tier: TierName) -> list[BufferRecord]:
+                       shard_tier: TierName, held: bool) -> list[BufferRecord]:
     """ZeRO-Infinity's part: the master and gradient in files, in placement.master_dtype (the
     optimizer state joins at bind, in placement.state_dtype), as DeepSpeed swaps them; the new compute-dtype weights in host memory
     (parts/nvme_executor.py). Gradients reach their file through small host buffers
@@ -300,10 +308,10 @@ def _nvme_part_records(placement: PlacementPolicy, partition: PartitionPolicy,
     # itself, as the host part does (no second 16-bit copy of the part in RAM).
     in_place = shard_tier is TierName.HOST and not placement.delayed and partition.shard_weights
     # With the delayed update the stream reads one gradient file while backward writes the other;
-    # stepped in backward, or with nvme_gradients 'host', the gradient is held in host memory
-    # until stepped (no file).
+    # `held` (stepped in backward, or nvme_gradients 'host' within its max_in_cpu): the gradient
+    # is held in host memory until stepped (no file).
     grads = [BufferRecord(f"nvme_grad{i}", "grads", TierName.NVME, placement.gradient_dtype, lo, hi)
-             for i in range(0 if placement.holds_nvme_gradients else 2 if placement.delayed else 1)]
+             for i in range(0 if held else 2 if placement.delayed else 1)]
     records = [BufferRecord("nvme_master", "master", TierName.NVME, master, lo, hi), *grads]
     if shard_tier is not TierName.NVME:  # the step's new weights, written back to the weights'
         # home after the stream (a shard on NVMe: the stream writes them to its file a sub-group

@@ -56,6 +56,9 @@ class PlacementPolicy:
     nvme_grads_held: with nvme, offload_optimizer.nvme_gradients 'host': the nvme parts'
         gradients are held in host memory (parts/held_gradient.py), stepped in step(), never
         written to a file (`holds_nvme_gradients`: this, or step_in_backward).
+    grad_ram_numel: with nvme_grads_held, offload_optimizer.nvme_gradients_max_in_cpu: gradient
+        elements per rank held (whole nvme parts, first units first; `holds_gradient`), the other
+        parts' gradients in files; None: every part's.
     master_dtype / state_dtype: the master weights (and the gradients the optimizer reads) and
         the optimizer state, fp32 or bf16 (bf16.bf16_master_weights_and_grads /
         bf16_optimizer_states; engine/bf16_state.py decides and checks what is wired).
@@ -84,6 +87,7 @@ class PlacementPolicy:
     param_buffer_size: int = 100_000_000
     step_in_backward: bool = False
     nvme_grads_held: bool = False
+    grad_ram_numel: int | None = None
     master_dtype: torch.dtype = torch.float32
     state_dtype: torch.dtype = torch.float32
     stochastic_rounding: bool = False
@@ -108,7 +112,8 @@ class PlacementPolicy:
             return cls(float(off.ratio), off.pin_memory, off.delayed_update.enabled,
                        off.delayed_update.warmup_steps, nvme=True, ram_numel=off.max_in_cpu,
                        step_in_backward=_steps_in_backward(off),
-                       nvme_grads_held=off.nvme_gradients == "host", **params)
+                       nvme_grads_held=off.nvme_gradients == "host",
+                       grad_ram_numel=off.nvme_gradients_max_in_cpu, **params)
         if off.device != "cpu":
             return cls(**params)
         auto = off.ratio == "auto"
@@ -127,8 +132,16 @@ class PlacementPolicy:
 
     @property
     def holds_nvme_gradients(self) -> bool:
-        """The nvme parts' gradients wait for the step in host memory, not in files."""
-        return self.nvme and (self.step_in_backward or self.nvme_grads_held)
+        """Every nvme part's gradient waits for the step in host memory, none in a file."""
+        return self.nvme and (self.step_in_backward
+                              or (self.nvme_grads_held and self.grad_ram_numel is None))
+
+    def holds_gradient(self, part_numel: int, grad_ram_left: int) -> bool:
+        """Whether an nvme part of `part_numel` elements holds its gradient in host memory when
+        `grad_ram_left` elements of nvme_gradients_max_in_cpu remain (the units before it spent
+        the rest: engine/byte_plan.py `plan_layouts`)."""
+        return self.holds_nvme_gradients or (self.nvme and self.nvme_grads_held
+                                             and part_numel <= grad_ram_left)
 
     def host_numel(self, length: int) -> int:
         """Elements [0, host_numel) of an optimizer range of `length` live and step on the host."""
@@ -179,8 +192,12 @@ class PlacementPolicy:
                     f"through the host kernel; up to {self.ram_numel:,} elements per rank kept "
                     f"in host memory (offload_optimizer.max_in_cpu)")
             if self.nvme_grads_held and not self.step_in_backward:
-                what += ("; the NVMe part's gradients held in host memory until the step "
-                         "(offload_optimizer.nvme_gradients 'host')")
+                held = ("" if self.grad_ram_numel is None else
+                        f" up to {self.grad_ram_numel:,} elements per rank "
+                        f"(offload_optimizer.nvme_gradients_max_in_cpu, whole parts), the rest "
+                        f"in files,")
+                what += (f"; the NVMe parts' gradients held in host memory{held} until the step "
+                         f"(offload_optimizer.nvme_gradients 'host')")
         if self.grad_dtype is not None:
             name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.grad_dtype]
             what += (f"; gradients kept in {name} until the "
@@ -200,6 +217,6 @@ class PlacementPolicy:
 def _steps_in_backward(off) -> bool:
     """offload_optimizer.step_in_backward resolved: "auto" is on unless the delayed update is
     (an explicit true with it is refused by the config)."""
-    if off.step_in_backward == "auto":
-        return not off.delayed_update.enabled
+    if off.step_in_backward == "auto":  # a partial hold steps in step(): see the key
+        return not off.delayed_update.enabled and off.nvme_gradients_max_in_cpu is None
     return bool(off.step_in_backward)
