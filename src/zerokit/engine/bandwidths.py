@@ -7,11 +7,13 @@ path with a small probe, cached in a JSON file with the time they were measured.
 - disk_write / disk_read: bytes/s of a sequential write (then fsync) and read-back of
   PROBE_BYTES in 4 MiB requests in the NVMe path, with O_DIRECT where the filesystem takes it
   (else the written pages are dropped from the page cache before the read); None without a path;
-- disk_mixed: bytes/s read and written together while one thread reads that file back and
-  another writes a second one, as the optimizer's stream and backward's gradient files do
-  (reads of sub-group i + 1 beside writes of i - 1): a disk that serves both directions at once
-  moves more than either alone (measured here, bench_infinity's 3B rows: 2.2-2.9 GB/s together
-  against 1.25 read and 1.33 write); None without a path or in a cache from before it;
+- disk_mixed: bytes/s read and written together, that file read back while a second one is
+  written, through the I/O engine (io/aio.py: blocks in flight, as the optimizer's stream and
+  backward's gradient files move them, reads of sub-group i + 1 beside writes of i - 1). A
+  queue keeps a disk busier than one request at a time: here 2.2-2.5 GB/s together against
+  1.25 read and 1.33 write alone, and bench_infinity's 3B stream moved 2.3-2.7 GB/s; a weight
+  shard is read on its own before its gather (the read rate). None without a path or in a
+  cache from before it;
 - host_adam / device_adam: Adam updates per second of the native host kernel and of torch's
   AdamW on the compute device (engine/auto_ratio.py `measure_rates`).
 Cached in `$ZEROKIT_CACHE_DIR/bandwidths.json` (default `~/.cache/zerokit`) under the key
@@ -40,7 +42,6 @@ import json
 import mmap
 import os
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -95,15 +96,12 @@ class Bandwidths:
         return cls(h, r or None, w or None, ha, da, measured_at, source, m or None)
 
     def disk_seconds(self, read: float, written: float) -> float:
-        """Seconds to read `read` and write `written` bytes at once (the stream, the gradient
-        files): no less than either direction alone, nor than both at the mixed rate; without a
-        mixed rate, one after the other."""
-        if not (read or written):
-            return 0.0
+        """Seconds to read `read` and write `written` bytes at once through the I/O engine (the
+        stream, the gradient files): both at the mixed rate; without one, one after the other
+        at the rates of one request at a time."""
         if not self.disk_mixed:
             return read / self.disk_read + written / self.disk_write
-        return max(read / self.disk_read, written / self.disk_write,
-                   (read + written) / self.disk_mixed)
+        return (read + written) / self.disk_mixed
 
 
 @dataclass(frozen=True)
@@ -153,63 +151,60 @@ def host_copy_rate(nbytes: int = PROBE_BYTES) -> float:
 
 
 def disk_rates(path: str, nbytes: int = PROBE_BYTES) -> tuple[float, float, float]:
-    """(read, write, mixed) bytes/s of sequential files of `nbytes` in `path`, removed after:
-    one written then read back alone, then read again while a second one is written (mixed:
-    both files' bytes over the time both took)."""
-    bufs = [mmap.mmap(-1, DISK_REQUEST_BYTES) for _ in range(2)]  # page-aligned, as O_DIRECT needs
-    for buf in bufs:
-        buf.write(b"\x5a" * DISK_REQUEST_BYTES)
+    """(read, write, mixed) bytes/s in `path`: a sequential file of `nbytes` written then read
+    back one request at a time, then (mixed) read again through the I/O engine while it writes
+    a second one, both files' bytes over the time both took. The files are removed after."""
+    buf = mmap.mmap(-1, DISK_REQUEST_BYTES)  # page-aligned, as O_DIRECT needs
+    buf.write(b"\x5a" * DISK_REQUEST_BYTES)
     names = [os.path.join(path, f".zerokit-bandwidth-probe-{os.getpid()}-{i}") for i in range(2)]
     direct = getattr(os, "O_DIRECT", 0)
-
-    def write(name: str, buf) -> None:
-        nonlocal direct
+    try:
         try:
-            fd = os.open(name, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | direct, 0o600)
+            fd = os.open(names[0], os.O_CREAT | os.O_WRONLY | os.O_TRUNC | direct, 0o600)
         except OSError:  # tmpfs and some filesystems refuse O_DIRECT
             direct = 0
-            fd = os.open(name, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            fd = os.open(names[0], os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        t0 = time.perf_counter()
         try:
             for _ in range(nbytes // DISK_REQUEST_BYTES):
                 os.write(fd, buf)
             os.fsync(fd)
         finally:
             os.close(fd)
-
-    def read(name: str, buf) -> None:
-        fd = os.open(name, os.O_RDONLY | direct)
+        write = nbytes / (time.perf_counter() - t0)
+        fd = os.open(names[0], os.O_RDONLY | direct)
         try:
             if not direct and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
             while os.readv(fd, [buf]) == DISK_REQUEST_BYTES:
                 pass
+            read = nbytes / (time.perf_counter() - t0)
         finally:
             os.close(fd)
-
-    def timed(fn, *args) -> float:
-        t0 = time.perf_counter()
-        fn(*args)
-        return time.perf_counter() - t0
-
-    try:
-        write_s = timed(write, names[0], bufs[0])
-        read_s = timed(read, names[0], bufs[0])
-        # both directions at once (os.read/os.write release the GIL)
-        writer = threading.Thread(target=write, args=(names[1], bufs[1]))
-        t0 = time.perf_counter()
-        writer.start()
-        read(names[0], bufs[0])
-        writer.join()
-        mixed_s = time.perf_counter() - t0
+        mixed = engine_mixed_rate(names[0], names[1], nbytes)
     finally:
-        for buf in bufs:
-            buf.close()
+        buf.close()
         for name in names:
             try:
                 os.unlink(name)
             except OSError:
                 pass
-    return nbytes / read_s, nbytes / write_s, 2 * nbytes / mixed_s
+    return read, write, mixed
+
+
+def engine_mixed_rate(existing: str, new: str, nbytes: int) -> float:
+    """Bytes/s of `existing` (nbytes) read while `new` is written, both through the I/O engine
+    (io/aio.py, DeepSpeed's aio defaults: 1 MiB blocks, 8 in flight), as the stream moves them."""
+    from zerokit.io.aio import AioConfig, AsyncIO, wait_all
+    from zerokit.io.buffers import aligned_empty
+
+    out, into = aligned_empty(nbytes), aligned_empty(nbytes)
+    out.fill_(0x5A)
+    with AsyncIO(AioConfig()) as aio:
+        t0 = time.perf_counter()
+        wait_all([aio.write(new, out, fsync=True), aio.read(existing, into)])
+        return 2 * nbytes / (time.perf_counter() - t0)
 
 
 def measure(nvme_path: str | None, device: torch.device) -> Bandwidths:

@@ -36,9 +36,9 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    nothing else) / the read rate; the gradient files once more each way per micro-step after
    the first where each micro-step reduces (the accumulation's read-add-write, in backward);
    the step's stream (the nvme parts' files read and written once, engine/nvme_plan.py, and the
-   weight files written). The last two read and write at once: Bandwidths.disk_seconds, no less
-   than either direction alone nor than both at the measured mixed rate (one after the other
-   where none was measured). Forward and backward compute
+   weight files written). The last two read and write at once through the I/O engine's queue:
+   Bandwidths.disk_seconds, both at the measured mixed rate (one after the other at the rates
+   of one request at a time where none was measured). Forward and backward compute
    is the same for every candidate and left out; overlap with it is not modelled (the phases
    add up), so read-ahead counts show only in bytes: between candidates within 0.5% in
    time the planner keeps fewer NVMe bytes, then the larger read-ahead, then fewer host bytes.
