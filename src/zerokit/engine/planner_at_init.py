@@ -34,7 +34,8 @@ def _shared_bandwidths(comm, path: str | None) -> Bandwidths:
     mine = bandwidths.rates(path, comm.device) if comm.rank == 0 else None
     if comm.world_size == 1:
         return mine
-    t = torch.tensor(mine.as_list() if mine else [0.0] * bandwidths.BROADCAST_NUMBERS, dtype=torch.float64, device=comm.device)
+    t = torch.tensor(mine.as_list() if mine else [0.0] * bandwidths.BROADCAST_NUMBERS,
+                     dtype=torch.float64, device=comm.device)
     comm.broadcast_(t, 0, "placement planner: bandwidths")
     return mine or Bandwidths.from_list(t.tolist(), "", "rank 0's")
 
