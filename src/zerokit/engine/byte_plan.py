@@ -180,16 +180,14 @@ def reduce_buffer_bytes(layouts: list[UnitLayout], policy: PartitionPolicy, comp
     `max_pending_reduce_numel` elements are in flight, so at most that many plus the newest
     unit's are alive at once (all of them, where they add up to less). At world 1 a reduction
     is complete when launched and the engine takes it at once: one unit's buffer. Each at the
-    bytes a scratch buffer of its size holds (tiers/scratch.py: rounded up to ALIGN). At world
-    1 nothing is summed: stage 2-3's bucket is in the compute dtype and nothing below stage 2
-    is converted (units/reduction.py [Note: nothing to reduce at one rank])."""
-    element = torch.empty(0, dtype=compute if world == 1 else reduce).element_size()
+    bytes a scratch buffer of its size holds (tiers/scratch.py: rounded up to ALIGN)."""
+    element = torch.empty(0, dtype=reduce).element_size()
     sizes = []
     for lay in layouts:
         if not lay.parts:  # frozen: no gradient
             continue
         local = torch.float32 if lay.has("grad_acc") else compute
-        if policy.shard_gradients or (local != reduce and world > 1):
+        if policy.shard_gradients or local != reduce:
             sizes.append(-(-lay.padded_numel * element // ALIGN) * ALIGN)
     if not sizes:
         return 0

@@ -11,17 +11,6 @@ fp32, is `grad_acc` with 16-bit accumulation) are harmless whatever the reduce d
 of it in the reduce dtype that is then written back over it. Adding instead would leave
 `master_grad` = local sum + global average wherever the local sum lives in `master_grad` and
 crosses in another dtype (issue #14).
-
-[Note: nothing to reduce at one rank]
-The reduce dtype is what ranks' gradients are summed in. With one rank nothing is summed (the
-collectives return their input; the pre- and post-scales are not applied), so a conversion to
-it only moves bytes: a bf16 unit's gradient copied into an fp32 bucket, then out of it into each
-part (2 bytes read and 4 written per element, then 4 read again). At world 1 the bucket is in the
-gradients' own dtype, and below stage 2 the local gradient (or its sum) is delivered as it is;
-every part widens what it takes as it copies or adds (`take_grad`: `copy_`, optim/host.py
-`accumulate`, which add in the wider dtype), and widening is exact, so the parts hold the same
-bits; each part's norm is taken on what it holds. `bucket_dtype` says which; byte_plan.py
-`reduce_buffer_bytes` counts the bucket at its size.
 """
 from __future__ import annotations
 
@@ -90,7 +79,7 @@ class GradientReduction:
             local, name = self.grad_flat, "grads"
             if self.grad_acc is not None:
                 local, name = accumulate(self.grad_acc, self.grad_flat), "grad_acc"
-            if local.dtype == self.bucket_dtype(local.dtype):
+            if local.dtype == self.reduce_dtype:
                 # The collective runs in the buffer; where that buffer is the master gradient
                 # (stage 0 aliases), the result is already in place.
                 in_master = (self.layout.aliases("master_grad", name)
@@ -112,18 +101,12 @@ class GradientReduction:
             full[self.numel:].zero_()
         return self._reduce_into_master(full, release, False)
 
-    def bucket_dtype(self, local: torch.dtype) -> torch.dtype:
-        """The dtype gradients of dtype `local` cross the reduction in: the reduce dtype, or at
-        one rank their own ([Note: nothing to reduce at one rank])."""
-        return local if self.comm.world_size == 1 else self.reduce_dtype
-
     def _reduction_bucket(self) -> tuple[torch.Tensor, Callable[[], None]]:
-        """The unit's full gradient in the bucket dtype, and the function that frees it: on a
+        """The unit's full gradient in the reduce dtype, and the function that frees it: on a
         CPU device a scratch buffer, reused step after step (see [Note: scratch buffers])."""
-        dtype = self.bucket_dtype(self.compute_dtype)
         if self.device.type == "cpu":
-            return self.ledger.scratch.take("buffers", self.padded_numel, dtype)
-        full = torch.empty(self.padded_numel, dtype=dtype, device=self.device)
+            return self.ledger.scratch.take("buffers", self.padded_numel, self.reduce_dtype)
+        full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
         return full, self.ledger.transient("buffers", full)
 
     def _reduce_into_master(self, full: torch.Tensor, release, in_master: bool) -> Handle:
