@@ -485,14 +485,12 @@ def _fill(inputs: PlanInputs, free: Freedom, shape: Choice, bw: Bandwidths) -> l
     param_points = [shape.param_max_in_cpu]
     if param_free:
         layouts = _layouts(inputs, dataclasses.replace(base, ram_numel=0, param_ram_numel=0))
-        prefix = [0]
-        for lay in layouts:
-            prefix.append(prefix[-1] + lay.shard_numel)
-        k = _largest(lambda i: _host_fits(inputs, cfg, dataclasses.replace(
-            base, ram_numel=0, param_ram_numel=prefix[i])), len(prefix) - 1)
-        if k == len(prefix) - 1 and "cpu" in free.params:
+        points, every = _whole_points([lay.shard_numel for lay in layouts], PARAM_GRID,
+                                      lambda n: _host_fits(inputs, cfg, dataclasses.replace(
+                                          base, ram_numel=0, param_ram_numel=n)))
+        if every and "cpu" in free.params:
             return []  # every shard in RAM: the 'cpu' candidate, without the files
-        param_points = sorted({prefix[round(k * f)] for f in PARAM_GRID})
+        param_points = points
     grad_free = shape.nvme_grads_held and free.grad_max_in_cpu is None
     out = []
     for pmax in param_points:
@@ -520,15 +518,20 @@ def _grad_points(inputs: PlanInputs, cfg, placement: PlacementPolicy) -> list[in
     fit (none held is the 'file' candidate). Spent before max_in_cpu: at m micro-steps a held
     gradient saves 8 m bytes of file traffic per 4 of RAM, max_in_cpu 24 + 8 m per 16."""
     files = dataclasses.replace(placement, ram_numel=0, grad_ram_numel=0)
+    sizes = [lay.nvme_numel for lay in _layouts(inputs, files) if lay.nvme_numel]
+    points, every = _whole_points(sizes, GRAD_GRID, lambda n: _host_fits(
+        inputs, cfg, dataclasses.replace(files, grad_ram_numel=n)))
+    return [None] if every else [n for n in points if n]
+
+
+def _whole_points(sizes: list[int], grid: tuple[float, ...], fits) -> tuple[list[int], bool]:
+    """Element counts of the first k whole units (`sizes` in unit order) at `grid` fractions of
+    the most that fits (`fits(elements)`, monotone), and whether every unit fits."""
     prefix = [0]
-    for lay in _layouts(inputs, files):
-        if lay.nvme_numel:
-            prefix.append(prefix[-1] + lay.nvme_numel)
-    k = _largest(lambda i: _host_fits(inputs, cfg, dataclasses.replace(
-        files, grad_ram_numel=prefix[i])), len(prefix) - 1)
-    if k == len(prefix) - 1:
-        return [None]
-    return sorted({prefix[round(k * f)] for f in GRAD_GRID} - {0})
+    for n in sizes:
+        prefix.append(prefix[-1] + n)
+    k = _largest(lambda i: fits(prefix[i]), len(prefix) - 1)
+    return sorted({prefix[round(k * f)] for f in grid}), k == len(prefix) - 1
 
 
 def _tie_key(p: Prediction) -> tuple:
