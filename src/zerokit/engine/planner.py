@@ -16,32 +16,9 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    takes five points between none and the most whole shards RAM holds, then the gradients'
    points, and offload_optimizer.max_in_cpu the most elements the host budget then holds
    (bisection).
-2. bytes: each candidate's model states per tier and kind are engine/byte_plan.py's rules on the
-   engine's own units (`plan_layouts`, `planned_bytes`), never a second copy. The checks:
-   host: the host tier's bytes + the process's own (RSS at initialize less the model's tensors,
-   `process_bytes`) + memory.rss_margin (what no rule models: activations, allocator slack), and,
-   where the compute device is this host's CPU, the device tier's bytes and the step's
-   transients (stage 3's gathered peak, the reductions' buffers), which live in the same RAM;
-   a candidate none of whose units gathers (one rank, its shards in RAM: [Note: one rank's
-   shard is its weights]) holds no gathered peak;
-   against memory.host, or without it the memory available (as the start-up check);
-   device: the device tier's bytes + the transients, against memory.device; nvme: the nvme
-   tier's bytes, against memory.nvme. A candidate over any is dropped.
-3. time: the step as bytes moved over the measured bandwidths plus the optimizer's compute
-   (engine/bandwidths.py): device-part elements / device Adam rate, host and nvme elements /
-   host Adam rate, host copies (each host or nvme weight shard copied in 2 gathers per micro-
-   step, none where the shard is the weights: [Note: one rank's shard is its weights]; each
-   offloaded element's gradient in and new weight out) / host copy rate, and disk time in
-   three phases: the weight files read per gather (forward and backward, the disk doing
-   nothing else) / the read rate; the gradient files once more each way per micro-step after
-   the first where each micro-step reduces (the accumulation's read-add-write, in backward);
-   the step's stream (the nvme parts' files read and written once, engine/nvme_plan.py, and the
-   weight files written). The last two read and write at once through the I/O engine's queue:
-   Bandwidths.disk_seconds, both at the measured mixed rate (one after the other at the rates
-   of one request at a time where none was measured). Forward and backward compute
-   is the same for every candidate and left out; overlap with it is not modelled (the phases
-   add up), so read-ahead counts show only in bytes: between candidates within 0.5% in
-   time the planner keeps fewer NVMe bytes, then the larger read-ahead, then fewer host bytes.
+2.-3. bytes and time: each candidate is priced by engine/candidate_cost.py ([Note: what a
+   candidate costs]): its bytes per tier and kind from the byte rules, checked against each
+   tier's budget, and its step time from the measured bandwidths.
 4. choice: hot data stays in the fastest tier that fits: if any candidate without NVMe bytes
    fits, no candidate with them is chosen; then a candidate with the NVMe stream's full
    read-ahead (buffer_count 4) over one with 3 whenever one fits: the time model cannot see the
@@ -67,13 +44,13 @@ from typing import Any
 
 import torch
 
-from zerokit.engine import bf16_state, nvme_plan
+from zerokit.engine import bf16_state
 from zerokit.engine.auto_ratio import balance
 from zerokit.engine.bandwidths import Bandwidths
 from zerokit.engine.byte_plan import plan_layouts, planned_bytes
+from zerokit.engine.candidate_cost import budget_checks, step_time
 from zerokit.engine.precision import with_gradient_dtype
 from zerokit.policy import PartitionPolicy, PlacementPolicy
-from zerokit.policy.layout import gradient_refill_bytes
 from zerokit.policy.placement import SPLIT_ALIGN
 from zerokit.sizes import mib
 from zerokit.tier_names import TierName
@@ -345,61 +322,6 @@ def _layouts(inputs: PlanInputs, placement: PlacementPolicy) -> list:
                         inputs.dtype, inputs.reduce, inputs.accumulation, placement)
 
 
-def _checks(inputs: PlanInputs, states: dict, layouts: list) -> dict:
-    """check -> (bytes needed, limit or None, where the limit comes from, breakdown)."""
-    host = {k: v for k, v in states[TierName.HOST].items() if v}
-    device = {k: v for k, v in states[TierName.DEVICE].items() if v}
-    nvme = {k: v for k, v in states[TierName.NVME].items() if v}
-    transients = inputs.transient_bytes
-    if not any(lay.gathers for lay in layouts):
-        transients -= inputs.gathered_bytes
-    if transients:
-        device["transients (gathered weights, reductions)"] = transients
-    ram = dict(host)
-    if not inputs.cuda:  # the device tier is this host's RAM
-        ram.update({f"device {k}": v for k, v in device.items()})
-    if inputs.process_bytes:
-        ram["process (RSS at initialize less the model)"] = inputs.process_bytes
-    if inputs.rss_margin:
-        ram["memory.rss_margin"] = inputs.rss_margin
-    budgets = inputs.budgets
-    if TierName.HOST in budgets:
-        limit, source = budgets[TierName.HOST]
-    elif inputs.host_available is not None:
-        limit, source = inputs.host_available
-    else:
-        limit, source = None, ""
-    out = {"host": (sum(ram.values()), limit, source, ram)}
-    if TierName.DEVICE in budgets or inputs.cuda:
-        dev = budgets.get(TierName.DEVICE, (None, ""))
-        out["device"] = (sum(device.values()), dev[0], dev[1], device)
-    out["nvme"] = (sum(nvme.values()), *budgets.get(TierName.NVME, (None, "")), nvme)
-    return out
-
-
-def step_time(inputs: PlanInputs, placement: PlacementPolicy, layouts: list,
-              bw: Bandwidths) -> dict[str, float]:
-    """The stated model ([Note: the placement planner], point 3): seconds per step by what."""
-    m = inputs.accumulation
-    dev = sum(p.numel for lay in layouts for p in lay.parts if p.tier is TierName.DEVICE)
-    off = sum(lay.host_numel + lay.nvme_numel for lay in layouts)
-    elem = torch.empty(0, dtype=inputs.dtype).element_size()
-    master = torch.empty(0, dtype=placement.master_dtype).element_size()
-    shards = sum(lay.record("shard").nbytes for lay in layouts  # copied into a gathered buffer
-                 if lay.has("shard") and lay.record("shard").tier is not TierName.DEVICE
-                 and lay.gathers)
-    parts = {"device Adam": dev / bw.device_adam, "host Adam": off / bw.host_adam,
-             "host copies": (2 * m * shards + (master + elem) * off) / bw.host_copy}
-    files = nvme_plan.nvme_need(layouts, inputs.kind, placement.state_dtype) if placement.nvme else 0
-    again = gradient_refill_bytes(layouts)  # the accumulation's read-add-write
-    w_read, w_write = nvme_plan.weight_traffic(layouts, m)
-    if files or w_read:
-        parts["disk: weights read"] = w_read / bw.disk_read
-        parts["disk: gradient files in backward"] = bw.disk_seconds(again, again)
-        parts["disk: the step's stream"] = bw.disk_seconds(files, files + w_write)
-    return parts
-
-
 def predict(inputs: PlanInputs, choice: Choice, bw: Bandwidths, cfg=None) -> Prediction:
     """One candidate's bytes per tier and kind, checks and predicted step time."""
     out = Prediction(choice)
@@ -416,7 +338,7 @@ def _predict(inputs: PlanInputs, cfg, placement: PlacementPolicy, out: Predictio
              bw: Bandwidths) -> Prediction:
     layouts = _layouts(inputs, placement)
     out.bytes = planned_bytes(cfg, placement, layouts, inputs.kind)
-    out.checks = _checks(inputs, out.bytes, layouts)
+    out.checks = budget_checks(inputs, out.bytes, layouts)
     if (placement.nvme or placement.params_on_nvme) and not (bw.disk_read and bw.disk_write):
         out.invalid = "no disk bandwidth measured (no nvme_path)"
         return out
@@ -428,7 +350,7 @@ def _predict(inputs: PlanInputs, cfg, placement: PlacementPolicy, out: Predictio
 def _host_fits(inputs: PlanInputs, cfg, placement: PlacementPolicy) -> bool:
     layouts = _layouts(inputs, placement)
     states = planned_bytes(cfg, placement, layouts, inputs.kind)
-    need, limit, _, _ = _checks(inputs, states, layouts)["host"]
+    need, limit, _, _ = budget_checks(inputs, states, layouts)["host"]
     return limit is None or need <= limit
 
 
