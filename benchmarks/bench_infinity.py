@@ -36,7 +36,10 @@ the whole model in RAM first. Each row is its own process (so peak RSS is that r
   zk-inf-ds-clip zk-inf-ds with gradient_clipping 1e-3, whatever --clipping says: clipping applies
                at every step, so the first update stepped in backward is redone and, speculation
                being adaptive (offload_optimizer.speculation), the later steps are held back
-               (stepped in step()); the "redo" column says what the redos cost per step.
+               (stepped in step()); the "redo" column says what the redos cost per timed
+               step, and in brackets the warm-up's (where the first redo falls). Where the
+               planner does not step in backward (the byte rules' hold for a redo does not fit
+               the budget), nothing is speculated and the column says 0/0.
   <row>-bf16   any zerokit row above with bf16.bf16_master_weights_and_grads + bf16_optimizer_states
                (issue #27): the same placement keys and budget, 2-byte master, gradient and state
                files (e.g. zk-inf-bf16, zk-inf-ds-bf16). A second table sets each beside its
@@ -531,7 +534,7 @@ def run_worker(args) -> int:
         toks = [[torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g) for _ in range(k)]
                 for _ in range(args.warmup + args.steps)]
         steps, phases, reads, writes, losses, peaks, idles, redos = [], [], [], [], [], [], [], []
-        paces = []
+        paces, warm_redo = [], {}
         for i, micro in enumerate(toks):
             r0, w0 = _io_counters()
             dev0 = block_counters(block)
@@ -559,6 +562,8 @@ def run_worker(args) -> int:
             pace = disk_pace(dev0, block_counters(block))
             idle = _disk_idle(engine)
             redo = _redo(spec0, _speculation(engine))
+            if i < args.warmup and redo:  # a redo there prices speculation held back after it
+                warm_redo = {k: round(warm_redo.get(k, 0) + v, 3) for k, v in redo.items()}
             if i >= args.warmup:
                 steps.append(dt)
                 phases.append(tuple(took))
@@ -577,7 +582,8 @@ def run_worker(args) -> int:
                   + (f", ledger RAM peak {counted}" if (counted := _ledger_ram_peak(engine)) else ""),
                   flush=True)
         rec.update(step_s=steps, phases_s=phases, read_bytes=reads, write_bytes=writes, losses=losses,
-                   rss_peaks_mb=peaks, disk_idle=idles, speculation=redos, disk_pace=paces)  # per step
+                   rss_peaks_mb=peaks, disk_idle=idles, speculation=redos, disk_pace=paces,  # per step
+                   speculation_warmup=warm_redo or None)  # the warm-up steps' sum
         report = getattr(engine, "memory_report", None)
         if family == "zerokit" and report is not None:
             rec["memory_report"] = str(report())
@@ -689,6 +695,7 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None, dd:
                tokens_per_s=MICRO * SEQ * args.accumulation / step["median"],
                memory_report=rec.get("memory_report"), disk_idle=_median_of(rec.get("disk_idle")),
                speculation=_median_of(rec.get("speculation")),
+               speculation_warmup=rec.get("speculation_warmup"),
                phases_s=rec.get("phases_s"), setup_peak_mb=rec.get("setup_peak_mb"),
                rss_peaks_mb=rec.get("rss_peaks_mb"), disk_pace=rec.get("disk_pace"),
                stalls=stalls(rec["step_s"], rec.get("disk_pace"), dd))
@@ -712,11 +719,17 @@ def _idle_cell(r: dict) -> str:
 
 
 def _redo_cell(r: dict) -> str:
-    """The speculative step's redo per step: seconds, and redone of committed + redone."""
+    """The speculative step's redo per timed step: seconds, and redone of committed + redone;
+    then the warm-up steps' where they speculated (adaptive speculation redoes the first step
+    whose clipping applies and holds the later ones back, so the timed steps show no redo)."""
     d = r.get("speculation")
     if not d:
         return "n/a"
-    return f"{d['redo_s']:.2f} s, {d['redone']:.0f}/{d['committed'] + d['redone']:.0f} redone"
+    cell = f"{d['redo_s']:.2f} s, {d['redone']:.0f}/{d['committed'] + d['redone']:.0f} redone"
+    w = r.get("speculation_warmup")
+    if w and w["committed"] + w["redone"]:
+        cell += f" (warm-up: {w['redo_s']:.2f} s, {w['redone']:.0f}/{w['committed'] + w['redone']:.0f})"
+    return cell
 
 
 def busy_pace(r: dict) -> float | None:

@@ -84,6 +84,11 @@ def test_table_cells_say_n_a_without_counters():
            "speculation": {"committed": 0, "redone": 1, "skipped": 0, "redo_s": 3.25}}
     assert B._idle_cell(row) == "6.4 (7.8/9.8)"
     assert B._redo_cell(row) == "3.25 s, 1/1 redone"
+    row["speculation"] = {"committed": 0, "redone": 0, "skipped": 0, "redo_s": 0.0}
+    row["speculation_warmup"] = {"committed": 0, "redone": 1, "skipped": 0, "redo_s": 8.03}
+    assert B._redo_cell(row) == "0.00 s, 0/0 redone (warm-up: 8.03 s, 1/1)"
+    row["speculation_warmup"] = {"committed": 0, "redone": 0, "skipped": 1, "redo_s": 0.0}
+    assert B._redo_cell(row) == "0.00 s, 0/0 redone"
 
 
 @pytest.mark.parametrize("row", ["zk-inf-bf16", "zk-inf-sib-bf16", "zk-inf-ds-bf16", "zk-inf-ds-dpu-bf16",
