@@ -4,6 +4,7 @@ with the delayed parameter update, and Twin-Flow), vs DeepSpeed ZeRO-2/3 with of
 
     flock /tmp/zk-heavy.lock .venv/bin/python benchmarks/bench_offload.py
     python benchmarks/bench_offload.py --only zk-z2-off,ds-z2-off --steps 5
+    python benchmarks/bench_offload.py --rounds 2   # every row twice, alternated; medians (bench_step's)
 
 Same setup as bench_step.py (whose worker, timing loop and row runner this reuses): the demo GPT
 (6 x 512, seq 256, micro-batch 4, AdamW, fp32), 2 gloo ranks x 1 thread on this CPU, each row its
@@ -256,6 +257,11 @@ def main(argv=None) -> int:
     args = S.parse_args(argv)
     if args.worker:
         return S.run_worker(args)
+    unused = [flag for flag, given in (("--compare", args.compare), ("--zero3", args.zero3),
+                                       ("--profile", args.profile)) if given]
+    if unused:  # bench_step's options that this benchmark would otherwise drop silently
+        raise SystemExit(f"bench_offload: {', '.join(unused)} is bench_step's; bench_offload takes "
+                         f"--only, --rounds, --steps, --warmup, the model's sizes, --nproc and --out")
     names = [n.strip() for n in args.only.split(",")] if args.only else DEFAULT_ROWS
     for n in names:
         if n not in ROWS:
@@ -263,17 +269,8 @@ def main(argv=None) -> int:
     machine = C.machine_info()
     print(f"bench_offload: {len(names)} rows, {args.nproc} gloo ranks x 1 thread, GPT {args.layers}x"
           f"{args.width} seq {args.seq} mb {args.micro_batch}, {args.warmup} warm-up + {args.steps} "
-          f"timed steps; {machine['cpu_model']}, {machine['cpu_count']} cpus", flush=True)
-    log_dir = C.results_dir("logs")
-    results = {}
-    for name in names:
-        r = S.run_row(name, args, log_dir)
-        results[name] = r
-        print(f"  {name:10s} " + (f"{r['step_s']['median']:.3f} s/step  peak RSS {r['peak_rss_mb']:.0f} MiB"
-                                  if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"),
-              flush=True)
-        for line in r.get("log_tail", []) if r["status"] != "ok" else []:
-            print(f"      | {line}")
+          f"timed steps, {args.rounds} round(s); {machine['cpu_model']}, {machine['cpu_count']} cpus", flush=True)
+    results = S.run_rounds(names, args)
     table = report(results)
     print("\n" + table)
     machine["loadavg_at_end"] = list(os.getloadavg())

@@ -532,6 +532,27 @@ def report(results: dict[str, dict]) -> str:
     return C.format_table(headers, rows)
 
 
+def run_rounds(names: list[str], args) -> dict[str, dict]:
+    """Every row once per round (--rounds), the order reversed every other round so that no row
+    always runs first; one result per row, its times the median of the rounds' (C.merge_rounds)."""
+    log_dir = C.results_dir("logs")
+    rounds: list[dict[str, dict]] = []
+    for k in range(args.rounds):
+        results: dict[str, dict] = {}
+        for name in (names if k % 2 == 0 else names[::-1]):
+            r = run_row(name, args, log_dir)
+            results[name] = r
+            if r["status"] == "ok":
+                print(f"  round {k + 1} {name:6s} {r['step_s']['median']:.3f} s/step  peak RSS "
+                      f"{r['peak_rss_mb']:.0f} MiB  (row wall {r['wall_s']:.0f} s)", flush=True)
+            else:
+                print(f"  round {k + 1} {name:6s} {r['status']}: {r.get('reason', '')}", flush=True)
+                for line in r.get("log_tail", []):
+                    print(f"      | {line}")
+        rounds.append(results)
+    return C.merge_rounds(names, rounds)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -553,22 +574,7 @@ def main(argv=None) -> int:
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} cpus, torch {machine['torch']}, "
           f"deepspeed {machine.get('deepspeed')}", flush=True)
-    log_dir = C.results_dir("logs")
-    rounds: list[dict[str, dict]] = []
-    for k in range(args.rounds):
-        results: dict[str, dict] = {}
-        for name in (names if k % 2 == 0 else names[::-1]):  # alternated: no row always first
-            r = run_row(name, args, log_dir)
-            results[name] = r
-            if r["status"] == "ok":
-                print(f"  round {k + 1} {name:6s} {r['step_s']['median']:.3f} s/step  peak RSS "
-                      f"{r['peak_rss_mb']:.0f} MiB  (row wall {r['wall_s']:.0f} s)", flush=True)
-            else:
-                print(f"  round {k + 1} {name:6s} {r['status']}: {r.get('reason', '')}", flush=True)
-                for line in r.get("log_tail", []):
-                    print(f"      | {line}")
-        rounds.append(results)
-    results = C.merge_rounds(names, rounds)
+    results = run_rounds(names, args)
     add_loss_check(results)
     table = report(results)
     print()
