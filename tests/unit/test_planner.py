@@ -5,7 +5,9 @@ and keeps in RAM what fits, an impossible budget is refused naming the smallest 
 hand-set keys are kept; the step-time model is the stated sum; the bandwidths are cached."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -276,6 +278,61 @@ def test_bandwidths_are_measured_once_per_machine_and_path_and_cached(tmp_path, 
         1e9, 2e9, 3e9, 4e6, 5e6, "", "measured", 4e9))
     assert bandwidths.rates(str(tmp_path), torch.device("cpu")).disk_mixed == 4e9
     assert bandwidths.rates(str(tmp_path), torch.device("cpu")).source.startswith("cached in")
+
+
+def test_the_disk_probe_times_rewrites_through_the_io_engine(tmp_path, monkeypatch):
+    """[Note: measured bandwidths]: the engine rewrites its files in place with many requests in
+    flight, so the probe lays both files down untimed, then times requests submitted together
+    into files that already hold their bytes (a first write allocates, several times slower
+    here), and fsyncs what it wrote before the clock stops."""
+    from zerokit.io import aio as aio_mod
+
+    nbytes, request = 8 << 20, 1 << 20
+    monkeypatch.setattr(bandwidths, "DISK_REQUEST_BYTES", request)
+    submitted, fsyncs = [], []
+
+    class Recording(aio_mod.AsyncIO):
+        def write(self, path, tensor, offset=0, **kw):
+            size = os.path.getsize(path) if os.path.exists(path) else 0
+            submitted.append(("write", os.path.basename(path), offset, tensor.numel(), size))
+            return super().write(path, tensor, offset, **kw)
+
+        def read(self, path, tensor, offset=0, **kw):
+            submitted.append(("read", os.path.basename(path), offset, tensor.numel(),
+                              os.path.getsize(path)))
+            return super().read(path, tensor, offset, **kw)
+
+    real_fsync = os.fsync
+    monkeypatch.setattr(aio_mod, "AsyncIO", Recording)
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+    read, write, mixed = bandwidths.disk_rates(str(tmp_path), nbytes, trials=2)
+    assert read > 0 and write > 0 and mixed > 0
+    laid, timed = submitted[:2], submitted[2:]
+    assert [(k, o, n, size) for k, _, o, n, size in laid] == [("write", 0, nbytes, 0)] * 2
+    # read alone, write alone, both: 2 trials each, every request a whole DISK_REQUEST_BYTES
+    per = nbytes // request
+    assert len(timed) == 2 * per + 2 * per + 2 * 2 * per
+    assert all(n == request and size == nbytes for _, _, _, n, size in timed)
+    assert {name for k, name, *_ in timed if k == "write"} != {name for k, name, *_ in timed
+                                                                if k == "read"}
+    assert len(fsyncs) == 2 + 2 * 2  # the two laid down, and each timed write (alone, both)
+    assert not list(tmp_path.glob(".zerokit-bandwidth-probe-*"))
+
+
+def test_figures_of_an_older_probe_are_measured_again(tmp_path, monkeypatch):
+    """The cache's key carries the probe's version: figures the one-request-at-a-time probe
+    cached (a key without it) are not read."""
+    monkeypatch.setenv("ZEROKIT_CACHE_DIR", str(tmp_path))
+    key = bandwidths._key(None, torch.device("cpu"))
+    assert key.endswith(f"|probe {bandwidths.PROBE_VERSION}")
+    stale = Bandwidths(1e9, 0.9e9, 1.2e9, 4e6, 5e6, "2026-11-29 08:50 UTC", "measured", 0.69e9)
+    old_key = key.rsplit("|probe", 1)[0]
+    (tmp_path / "bandwidths.json").write_text(json.dumps(
+        {old_key: {k: v for k, v in dataclasses.asdict(stale).items() if k != "source"}}))
+    monkeypatch.setattr(bandwidths, "PROBE", lambda path, device: Bandwidths(
+        1e9, 2.3e9, 3.7e9, 4e6, 5e6, "now", "measured", 2.9e9))
+    found = bandwidths.rates(None, torch.device("cpu"))
+    assert (found.source, found.disk_mixed) == ("measured", 2.9e9)
 
 
 def test_reads_and_writes_at_once_move_at_the_mixed_rate():

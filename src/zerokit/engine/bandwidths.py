@@ -4,20 +4,23 @@ path with a small probe, cached in a JSON file with the time they were measured.
 [Note: measured bandwidths]
 - host_copy: bytes/s of one host buffer copied into another (torch `copy_` of PROBE_BYTES, best
   of three): what a gather of a host shard, a gradient to the host and the new weights back cost;
-- disk_write / disk_read: bytes/s of a sequential write (then fsync) and read-back of
-  PROBE_BYTES in 4 MiB requests in the NVMe path, with O_DIRECT where the filesystem takes it
-  (else the written pages are dropped from the page cache before the read); None without a path;
-- disk_mixed: bytes/s read and written together, that file read back while a second one is
-  written, through the I/O engine (io/aio.py: blocks in flight, as the optimizer's stream and
-  backward's gradient files move them, reads of sub-group i + 1 beside writes of i - 1). A
-  queue keeps a disk busier than one request at a time: here 2.2-2.5 GB/s together against
-  1.25 read and 1.33 write alone, and bench_infinity's 3B stream moved 2.3-2.7 GB/s; a weight
-  shard is read on its own before its gather (the read rate). None without a path or in a
-  cache from before it;
+- disk_read / disk_write / disk_mixed: bytes/s of one file of PROBE_BYTES read, another
+  rewritten, and both at once, through the I/O engine (io/aio.py, DeepSpeed's aio defaults: 1 MiB
+  blocks, 8 in flight) in DISK_REQUEST_BYTES requests all submitted together, as the engine moves
+  every file it has (weight shards before their gather, backward's gradient files, the step's
+  stream); the write made durable (fsync) before its time is taken; each the best of DISK_TRIALS.
+  Both files are laid down first, untimed: the engine rewrites its files in place every step, and
+  a file's first write, which allocates it, runs several times slower here (0.6-0.9 GB/s against
+  2.9-3.3 for the same bytes rewritten; one request at a time 1.1 read, 1.6 write). Until stop 46
+  the probe timed a first write and reads one request at a time: 0.69 GB/s both at once while
+  bench_infinity's 3B stream moved 2.3-2.7, and the planner, reading the weights as dear as the
+  stream, put 3B's weights on NVMe at 67 s a step where holding them in RAM ran 59 (docs/nvme.md).
+  None without a path;
 - host_adam / device_adam: Adam updates per second of the native host kernel and of torch's
   AdamW on the compute device (engine/auto_ratio.py `measure_rates`).
 Cached in `$ZEROKIT_CACHE_DIR/bandwidths.json` (default `~/.cache/zerokit`) under the key
-"<host name>|<device type>|<real path or ->", with the UTC time measured: a later initialize on
+"<host name>|<device type>|<real path or ->|probe <PROBE_VERSION>", with the UTC time measured
+(a new probe's version leaves the old figures unread): a later initialize on
 the same machine and path reads them instead of probing again (delete the file to re-measure).
 `PROBE` is the function `rates()` calls to measure: tests replace it with fixed numbers.
 Only rank 0 measures; initialize broadcasts its figures so that every rank plans alike.
@@ -39,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
 import os
 import socket
 import time
@@ -50,6 +52,8 @@ import torch
 
 PROBE_BYTES = 64 << 20
 DISK_REQUEST_BYTES = 4 << 20  # the disk probe's request size: the rates hold for requests this large
+PROBE_VERSION = 2  # in the cache's key: figures of an older probe are measured again
+DISK_TRIALS = 3  # the disk probe's rates are the best of this many (a busy disk reads slow once)
 GATHER_PROBE_BYTES = (256 << 10, 16 << 20)  # per rank: latency-bound, then bandwidth-bound
 GATHER_PROBE_MOST = 256 << 20  # the gathered buffer at most (many ranks: smaller pieces each)
 BROADCAST_NUMBERS = 6  # Bandwidths.as_list()
@@ -150,41 +154,43 @@ def host_copy_rate(nbytes: int = PROBE_BYTES) -> float:
     return nbytes / _best(lambda: b.copy_(a))
 
 
-def disk_rates(path: str, nbytes: int = PROBE_BYTES) -> tuple[float, float, float]:
-    """(read, write, mixed) bytes/s in `path`: a sequential file of `nbytes` written then read
-    back one request at a time, then (mixed) read again through the I/O engine while it writes
-    a second one, both files' bytes over the time both took. The files are removed after."""
-    buf = mmap.mmap(-1, DISK_REQUEST_BYTES)  # page-aligned, as O_DIRECT needs
-    buf.write(b"\x5a" * DISK_REQUEST_BYTES)
+def disk_rates(path: str, nbytes: int = PROBE_BYTES, trials: int = DISK_TRIALS) -> tuple[float, float, float]:
+    """(read, write, mixed) bytes/s in `path`, through the I/O engine as the engine moves its
+    files (see [Note: measured bandwidths]): two files of `nbytes` laid down first (untimed), then
+    the best of `trials` of: one read back, the other rewritten, and both at once. The files are
+    removed after."""
+    from zerokit.io.aio import AioConfig, AsyncIO, wait_all
+    from zerokit.io.buffers import aligned_empty
+
     names = [os.path.join(path, f".zerokit-bandwidth-probe-{os.getpid()}-{i}") for i in range(2)]
-    direct = getattr(os, "O_DIRECT", 0)
+    out, into = aligned_empty(nbytes), aligned_empty(nbytes)
+    out.fill_(0x5A)
     try:
-        try:
-            fd = os.open(names[0], os.O_CREAT | os.O_WRONLY | os.O_TRUNC | direct, 0o600)
-        except OSError:  # tmpfs and some filesystems refuse O_DIRECT
-            direct = 0
-            fd = os.open(names[0], os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        t0 = time.perf_counter()
-        try:
-            for _ in range(nbytes // DISK_REQUEST_BYTES):
-                os.write(fd, buf)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        write = nbytes / (time.perf_counter() - t0)
-        fd = os.open(names[0], os.O_RDONLY | direct)
-        try:
-            if not direct and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t0 = time.perf_counter()
-            while os.readv(fd, [buf]) == DISK_REQUEST_BYTES:
-                pass
-            read = nbytes / (time.perf_counter() - t0)
-        finally:
-            os.close(fd)
-        mixed = engine_mixed_rate(names[0], names[1], nbytes)
+        with AsyncIO(AioConfig()) as aio:
+            def move(read: bool, write: bool) -> float:
+                t0 = time.perf_counter()
+                handles = []
+                for lo in range(0, nbytes, DISK_REQUEST_BYTES):  # every request in flight at once
+                    hi = min(nbytes, lo + DISK_REQUEST_BYTES)
+                    if write:
+                        handles.append(aio.write(names[1], out[lo:hi], lo))
+                    if read:
+                        handles.append(aio.read(names[0], into[lo:hi], lo))
+                wait_all(handles)
+                if write:  # durable: a rate that stopped at the page cache would not hold
+                    fd = os.open(names[1], os.O_WRONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                return time.perf_counter() - t0
+
+            for name in names:  # laid down once: the engine rewrites its files in place
+                aio.write(name, out, fsync=True).wait()
+            read = nbytes / min(move(True, False) for _ in range(trials))
+            write = nbytes / min(move(False, True) for _ in range(trials))
+            mixed = 2 * nbytes / min(move(True, True) for _ in range(trials))
     finally:
-        buf.close()
         for name in names:
             try:
                 os.unlink(name)
@@ -193,22 +199,8 @@ def disk_rates(path: str, nbytes: int = PROBE_BYTES) -> tuple[float, float, floa
     return read, write, mixed
 
 
-def engine_mixed_rate(existing: str, new: str, nbytes: int) -> float:
-    """Bytes/s of `existing` (nbytes) read while `new` is written, both through the I/O engine
-    (io/aio.py, DeepSpeed's aio defaults: 1 MiB blocks, 8 in flight), as the stream moves them."""
-    from zerokit.io.aio import AioConfig, AsyncIO, wait_all
-    from zerokit.io.buffers import aligned_empty
-
-    out, into = aligned_empty(nbytes), aligned_empty(nbytes)
-    out.fill_(0x5A)
-    with AsyncIO(AioConfig()) as aio:
-        t0 = time.perf_counter()
-        wait_all([aio.write(new, out, fsync=True), aio.read(existing, into)])
-        return 2 * nbytes / (time.perf_counter() - t0)
-
-
 def measure(nvme_path: str | None, device: torch.device) -> Bandwidths:
-    """The probe: a few hundred milliseconds of copies, one 64 MiB file, two Adam timings."""
+    """The probe: a few hundred milliseconds of copies, two 64 MiB files, two Adam timings."""
     from zerokit.engine.auto_ratio import measure_rates
 
     host_adam, device_adam = measure_rates(device, 1 << 18)
@@ -227,7 +219,8 @@ def cache_file() -> str:
 
 
 def _key(nvme_path: str | None, device: torch.device) -> str:
-    return f"{socket.gethostname()}|{device.type}|{os.path.realpath(nvme_path) if nvme_path else '-'}"
+    path = os.path.realpath(nvme_path) if nvme_path else "-"
+    return f"{socket.gethostname()}|{device.type}|{path}|probe {PROBE_VERSION}"
 
 
 def _cached(kind: type, key: str):
