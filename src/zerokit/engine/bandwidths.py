@@ -14,7 +14,8 @@ path with a small probe, cached in a JSON file with the time they were measured.
   2.9-3.3 for the same bytes rewritten; one request at a time 1.1 read, 1.6 write). Until stop 46
   the probe timed a first write and reads one request at a time: 0.69 GB/s both at once while
   bench_infinity's 3B stream moved 2.3-2.7, and the planner, reading the weights as dear as the
-  stream, put 3B's weights on NVMe at 67 s a step where holding them in RAM ran 59 (docs/nvme.md).
+  stream, put 3B's weights on NVMe at 67 s a step; with this probe it holds them in RAM: 55.83 s
+  (docs/nvme.md, 3B accumulation 4).
   None without a path;
 - host_adam / device_adam: Adam updates per second of the native host kernel and of torch's
   AdamW on the compute device (engine/auto_ratio.py `measure_rates`).
