@@ -102,8 +102,8 @@ class Bandwidths:
 
     def disk_seconds(self, read: float, written: float) -> float:
         """Seconds to read `read` and write `written` bytes at once through the I/O engine (the
-        stream, the gradient files): both at the mixed rate; without one, one after the other
-        at the rates of one request at a time."""
+        stream, the gradient files): both at the mixed rate; without one (rates a caller
+        injected), one after the other at the read and write rates."""
         if not self.disk_mixed:
             return read / self.disk_read + written / self.disk_write
         return (read + written) / self.disk_mixed

@@ -24,8 +24,8 @@ placement here:
    the first where each micro-step reduces (the accumulation's read-add-write, in backward);
    the step's stream (the nvme parts' files read and written once, engine/nvme_plan.py, and the
    weight files written). The last two read and write at once through the I/O engine's queue:
-   Bandwidths.disk_seconds, both at the measured mixed rate (one after the other at the rates
-   of one request at a time where none was measured). Forward and backward compute
+   Bandwidths.disk_seconds, both at the measured mixed rate (one after the other at the read
+   and write rates where none was measured: injected rates). Forward and backward compute
    is the same for every candidate and left out; overlap with it is not modelled (the phases
    add up), so read-ahead counts show only in bytes: between candidates within 0.5% in
    time the planner keeps fewer NVMe bytes, then the larger read-ahead, then fewer host bytes.
