@@ -8,7 +8,8 @@ extensions are copied from this checkout when the C++ sources and setup.py are t
 and built there otherwise (`setup.py build_ext --inplace`). Every row runs with the same harness
 (this checkout's benchmark script); only `PYTHONPATH` says which zerokit the ranks import. Round k
 runs the trees in the order (this, other) when k is even and (other, this) when odd, so drift of
-the machine during the run falls on both sides; the table gives the median of the rounds' medians.
+the machine during the run falls on both sides; the table gives the median of the rounds'
+medians, and of the rounds' peak RSS (the largest rank's ru_maxrss).
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def compare(rev: str, names: list[str], rounds: int,
     this = C.REPO_ROOT / "src"
     medians: dict[str, dict[str, list[float]]] = {"this": {n: [] for n in names},
                                                   "other": {n: [] for n in names}}
+    rss: dict[str, dict[str, list[float]]] = {"this": {n: [] for n in names},  # peak per round
+                                              "other": {n: [] for n in names}}
     failures: list[str] = []
     with checkout(rev) as tree:
         trees = [("this", this), ("other", tree / "src")]
@@ -84,17 +87,24 @@ def compare(rev: str, names: list[str], rounds: int,
                         raise SystemExit(f"--compare: the {label} row {name} imported zerokit from "
                                          f"{sorted(ran)}, not {src}")
                     medians[side][name].append(r["step_s"]["median"])
-                    print(f"  round {k + 1} {label:>12s} {name:6s} {r['step_s']['median']:.3f} s/step",
-                          flush=True)
+                    rss[side][name].append(r["peak_rss_mb"])
+                    print(f"  round {k + 1} {label:>12s} {name:6s} {r['step_s']['median']:.3f} s/step"
+                          f"  peak RSS {r['peak_rss_mb']:.0f} MiB", flush=True)
     rows, payload = [], {"rev": rev, "rev_sha": _git("rev-parse", rev), "rounds": rounds, "rows": {}, "failures": failures}
     for name in names:
         a, b = medians["this"][name], medians["other"][name]
         ma = statistics.median(a) if a else None
         mb = statistics.median(b) if b else None
+        ra, rb = rss["this"][name], rss["other"][name]
+        mra = statistics.median(ra) if ra else None
+        mrb = statistics.median(rb) if rb else None
         payload["rows"][name] = {"this_s": a, "other_s": b, "this_median": ma, "other_median": mb,
-                                 "ratio_this_over_other": C.ratio(ma, mb)}
+                                 "ratio_this_over_other": C.ratio(ma, mb),
+                                 "this_peak_rss_mb": ra, "other_peak_rss_mb": rb}
         rows.append([name, C.fmt_num(ma), C.fmt_num(mb), C.fmt_num(C.ratio(ma, mb), ".3f", "x"),
+                     C.fmt_num(mra, ".0f"), C.fmt_num(mrb, ".0f"),
                      " ".join(f"{x:.3f}" for x in a), " ".join(f"{x:.3f}" for x in b)])
     table = C.format_table(["row", "this tree s/step", f"{rev} s/step", "this / other",
+                            "this peak RSS MiB", f"{rev} peak RSS MiB",
                             "this, per round", "other, per round"], rows)
     return table, payload

@@ -203,3 +203,73 @@ def test_scheduler_never_holds_more_than_max_live_parameters() -> None:
     sched.use(units[0])
     # u0 is live (100); u1 brings it to 200; u2 would make 300 > 250.
     assert log == [("gather", "u0"), ("gather", "u1")]
+
+
+# ---- [Note: gathered weights keep their address] (units/unit.py) ------------------------------
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of `t`'s whole pages the kernel holds in RAM now (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    start, end = -(-ptr // page) * page, (ptr + nbytes) // page * page
+    vec = (ctypes.c_ubyte * ((end - start) // page))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0
+    return sum(v & 1 for v in vec) * page
+
+
+class Wide(nn.Module):
+    """Two 2 MiB blocks (fp32) around a small embedding: units large enough to count pages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 128)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(128, 2048), nn.GELU(), nn.Linear(2048, 128))
+                                    for _ in range(2))
+        self.head = nn.Linear(128, 256)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return nn.functional.cross_entropy(self.head(h).view(-1, 256), y.view(-1))
+
+
+def _address_world(rank: int, world: int) -> dict:
+    import zerokit
+
+    torch.manual_seed(0)
+    model = Wide()
+    engine, _, _, _ = zerokit.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": MICRO, "comm_timeout_s": 30,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": STAGE3})
+    blocks = [u for u in engine.units if u.module in set(model.blocks)]
+    gathered = []  # resident bytes of each block's weights while its forward runs
+    for block, unit in zip(model.blocks, blocks):  # inside the block: while it is gathered
+        block[0].register_forward_hook(lambda m, i, o, u=unit: gathered.append(
+            (_resident_bytes(u.flat), u.flat.numel() * u.flat.element_size())))
+    addresses, released = [], []
+    for batch in global_batches(3, MICRO * world):
+        x, y = rank_micro_batch(batch, rank, world, 0, 1)
+        engine.backward(engine(x, y))
+        engine.step()
+        addresses.append([u.flat.data_ptr() for u in blocks])
+        released.append([_resident_bytes(u.flat) for u in blocks])
+    engine.destroy()
+    return {"addresses": addresses, "released": released, "gathered": gathered,
+            "states": [u.keeps_address and not u.persistent for u in blocks]}
+
+
+def test_gathered_weights_keep_their_address_and_hand_back_their_pages() -> None:
+    """Stage 3 on a CPU device: a block's weights are gathered into the same memory every time
+    and its pages go back to the kernel at each release (not to malloc's heap, whose memory the
+    process's RSS keeps)."""
+    for r in run_world(_address_world, 2, timeout=120):
+        assert r["states"] == [True, True]
+        assert all(a == r["addresses"][0] for a in r["addresses"]), r["addresses"]
+        for nbytes, size in r["gathered"]:
+            assert nbytes >= size - 4096, (nbytes, size)  # gathered: every page resident
+        for after_step in r["released"]:
+            assert after_step == [0, 0], r["released"]  # released: none

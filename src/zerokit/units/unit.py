@@ -160,6 +160,7 @@ class Unit(GradientReduction):
         # [Note: reading into the weights] in tiers/nvme_shard.py: a shard on NVMe is read straight
         # into `flat` where that is host memory that can keep its address while released
         self.reads_in_place = self._can_read_in_place()
+        self.keeps_address = self.reads_in_place or self._can_keep_address()
         for r in self.layout.records:
             if r.alias_of is not None:
                 target = self.layout.record(r.alias_of)
@@ -168,8 +169,11 @@ class Unit(GradientReduction):
                 from zerokit.parts.nvme import host_buffer
 
                 bufs[r.name] = host_buffer(r.numel, r.dtype)
-            elif r.transient and r.name == "weights" and self.reads_in_place:
-                nbytes = r.numel * r.dtype.itemsize  # one address for the unit's life
+            elif r.transient and r.name == "weights" and self.keeps_address:
+                # one address for the unit's life; aligned_empty asks for 2 MiB pages, and the
+                # range keeps that advice through every release, so each gather faults in huge
+                # pages (a 0.58B GPT's forward: 8K faults, not 300K)
+                nbytes = r.numel * r.dtype.itemsize
                 bufs[r.name] = aligned_empty(nbytes).view(r.dtype).zero_()
             elif r.transient:  # counted while it has storage (see gather / _free_flat)
                 bufs[r.name] = torch.zeros(r.numel, dtype=r.dtype, device=self.device)
@@ -317,6 +321,21 @@ class Unit(GradientReduction):
         lo = self.shard_range[0]
         return lo * self.compute_dtype.itemsize % ALIGN == 0
 
+    def _can_keep_address(self) -> bool:
+        """[Note: gathered weights keep their address]
+        Stage 3 on a CPU device: `flat` is allocated once and its pages are handed back to the
+        kernel at every release (MADV_DONTNEED), instead of its storage being freed and allocated
+        again at every gather. Freed, a unit's buffer went back to malloc's heap (whose threshold
+        for mapping large blocks rises with each such free), and the gathers, reductions and
+        activations after it came from a heap the process's RSS does not give back: bench_step's
+        stage 3 peaked at DDP's RSS while holding less. Kept, RSS drops at each release and the
+        pages fault in again at the gather, as fresh memory did (in 2 MiB pages where the system
+        allows). Measured (bench_step --compare, 2 gloo ranks, GPT 6 x 512, 4 rounds each way):
+        peak RSS 892 MiB against 932, step time 1.035x and 0.963x in two runs (noise). Autograd's
+        saved views of the weights read the regathered values either way (same storage object)."""
+        return (self.device.type == "cpu" and huge_pages.can_release()
+                and any(r.name == "weights" and r.transient for r in self.layout.records))
+
     def fetch(self) -> None:
         """Start reading the shard from NVMe (a prefetch); nothing for a shard in memory."""
         if self.nvme_shard is not None and self.state is WeightState.SHARDED:
@@ -342,15 +361,10 @@ class Unit(GradientReduction):
         if self.nvme_shard is not None:  # read from NVMe first (or wait for the prefetch's read)
             self.nvme_shard.ready(into_slot=True)
         nbytes = self.padded_numel * self.flat.element_size()
-        if self.reads_in_place:  # its pages, handed back at release, fault in again
+        if self.keeps_address:  # its pages, handed back at release, fault in again
             self._release_bytes = self.ledger.transient("weights", self.flat)
-        elif self.flat.untyped_storage().nbytes() != nbytes:
+        elif self.flat.untyped_storage().nbytes() != nbytes:  # a device's allocator's memory
             self.flat.untyped_storage().resize_(nbytes)
-            if self.flat.device.type == "cpu" and nbytes >= huge_pages.MIN_BYTES:
-                # Fresh, untouched memory every gather (autograd holds views of this storage, so
-                # no cache can hand back the old pages): faulted in 2 MiB pages instead of 4 KiB,
-                # a 0.58B GPT's forward took 8K faults instead of 300K, its backward 66K not 323K.
-                huge_pages.advise(self.flat.data_ptr(), nbytes)
             self._release_bytes = self.ledger.transient("weights", self.flat)
         self._start_gather()
 
@@ -464,7 +478,7 @@ class Unit(GradientReduction):
 
     def _free_flat(self) -> None:
         self._point_params_at(None)
-        if self.reads_in_place:  # the pages go, the address stays (the shard reads into it)
+        if self.keeps_address:  # the pages go, the address stays ([Note: gathered weights keep their address])
             huge_pages.release(self.flat.data_ptr(), self.flat.numel() * self.flat.element_size())
         else:
             self.flat.untyped_storage().resize_(0)
