@@ -50,7 +50,20 @@ def reference_train(make_model: Callable[[], nn.Module], make_optimizer: Callabl
     chunks > 1 (16-bit only): run the global batch as that many equal chunks, each backward's
     16-bit gradients summed in fp32, as data-parallel mixed precision computes them; one 16-bit
     backward over the whole batch rounds differently, which is not what is being tested.
+
+    Runs on one thread, as every rank does (harness.py): MKL's AVX-512 GEMMs sum in an order
+    that depends on the thread count, and Adam turns that last-bit difference in a near-zero
+    gradient into a fraction of a step (seen: 3.3 lr/100 on one element of 65536, 3 steps).
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_train(make_model, make_optimizer, batches, dtype, clip, chunks)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_train(make_model, make_optimizer, batches, dtype, clip, chunks):
     master = make_model()
     opt = make_optimizer(master.parameters())
     compute = make_model().to(dtype) if dtype != torch.float32 else master
