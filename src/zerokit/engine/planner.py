@@ -21,8 +21,10 @@ device 'nvme' given, its max_in_cpu left out), initialize asks `choose` for the 
    tier's budget, and its step time from the measured bandwidths.
 4. choice: hot data stays in the fastest tier that fits: if any candidate without NVMe bytes
    fits, no candidate with them is chosen; then a candidate with the NVMe stream's full
-   read-ahead (buffer_count 4) over one with 3 whenever one fits: the time model cannot see the
-   read-ahead, and 3 measured 1.3x the step at 1B (docs/offload.md); among the rest, the fastest. Rank 0 logs every
+   read-ahead (buffer_count 4) over one with 3 unless the best with 3 is predicted more than
+   READ_AHEAD_MARGIN (5%) faster: the time model cannot see the read-ahead, which measured 0.94x
+   to 1.3x of the step at one placement (docs/offload.md), so only a placement the model says is
+   clearly faster (weights kept in RAM) outweighs it; among the rest, the fastest. Rank 0 logs every
    candidate with its predicted time and bytes per tier, and why the chosen one won. No
    candidate fitting raises PlacementBudgetError with the closest one's bytes per tier and kind
    and the smallest budget per tier that some candidate fits.
@@ -60,6 +62,11 @@ PARAM_BUFFER_COUNTS = (5, 2)  # weight shards read ahead (DeepSpeed's default 5)
 PARAM_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # offload_param.max_in_cpu points, of what RAM holds
 GRAD_GRID = (0.25, 0.5, 0.75, 1.0)  # nvme_gradients_max_in_cpu points, of what RAM holds
 TIE = 0.005  # predicted times this close are a tie
+# A candidate with fewer stream buffers than OPT_BUFFER_COUNTS[0] is taken over every fitting one
+# with the full read-ahead only when predicted this much faster: the time model cannot see the
+# read-ahead, and at one placement it measured 0.94x-1.04x of the step on 2026-12-07 (1B, 3B)
+# but 1.3x once at 1B (docs/offload.md); what 3 buffers free for max_in_cpu is worth less.
+READ_AHEAD_MARGIN = 0.05
 
 
 class PlacementBudgetError(MemoryError):
@@ -474,11 +481,13 @@ def choose(inputs: PlanInputs, bw: Bandwidths) -> Plan:
     in_ram = [p for p in fitting if not p.tier(TierName.NVME)]
     pool = in_ram or fitting
     full_stream = [p for p in pool if p.choice.opt_buffer_count >= OPT_BUFFER_COUNTS[0]]
-    shallow = len(full_stream) < len(pool)
-    pool = full_stream or pool
+    shallow = [p for p in pool if p.choice.opt_buffer_count < OPT_BUFFER_COUNTS[0]]
+    deep_kept = bool(full_stream and shallow) and (
+        min(p.seconds for p in shallow) * (1 + READ_AHEAD_MARGIN) >= min(p.seconds for p in full_stream))
+    pool = full_stream if deep_kept else pool
     fastest = min(p.seconds for p in pool)
     best = min((p for p in pool if p.seconds <= fastest * (1 + TIE)), key=_tie_key)
-    why = _why(best, pool, fitting, in_ram, considered, stage3, shallow and bool(full_stream))
+    why = _why(best, pool, fitting, in_ram, considered, stage3, deep_kept)
     return Plan(best, considered, _resolved(inputs.cfg, best.choice, free.nvme_path), bw, why, stage3,
                 free.nvme_path)
 
@@ -492,8 +501,9 @@ def _why(best: Prediction, pool: list, fitting: list, in_ram: list, considered: 
     elif not in_ram:
         why += "; no candidate fits without NVMe"
     if deep_stream:
-        why += (f"; the stream's full read-ahead (buffer_count {OPT_BUFFER_COUNTS[0]}) fits, so "
-                f"none with fewer buffers was taken")
+        why += (f"; the stream's full read-ahead (buffer_count {OPT_BUFFER_COUNTS[0]}) fits and "
+                f"no candidate with fewer buffers is predicted over "
+                f"{100 * READ_AHEAD_MARGIN:.0f}% faster, so none with fewer was taken")
     others = sorted((p for p in pool if p is not best), key=lambda p: p.seconds)
     if others:
         nxt = others[0]
