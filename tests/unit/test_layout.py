@@ -192,60 +192,72 @@ def test_offload_param_without_delay_updates_the_host_shard_in_place(dtype) -> N
 
 # ---- NVMe: offload_optimizer nvme with the max_in_cpu budget, offload_param nvme ---------------
 def test_nvme_part_beyond_the_host_budget() -> None:
-    placement = PlacementPolicy(ratio=1.0, nvme=True, ram_numel=100)
-    # 1000 elements on 1 rank: padded 1024, all offloaded; 100 left of the budget -> 64 (aligned).
-    layout = plan(1000, 1, 0, 3, placement, dtype=BF16, ram_left=100)
-    assert parts(layout) == [("host", 0, 64), ("nvme", 64, 1024), ("device", 1024, 1024)]
+    placement = PlacementPolicy(ratio=1.0, nvme=True, ram_numel=3000)
+    # 5000 elements on 1 rank: padded 5024, all offloaded; 3000 left of the budget -> 2048: the
+    # NVMe part, whose gradient goes to a file, starts on a sector (SECTOR_ELEMENTS).
+    layout = plan(5000, 1, 0, 3, placement, dtype=BF16, ram_left=3000)
+    assert parts(layout) == [("host", 0, 2048), ("nvme", 2048, 5024), ("device", 5024, 5024)]
     assert [row for row in rows(layout) if row[2] != "device"] == [
-        ("host_master", "master", "host", F32, 0, 64, None),
-        ("host_grad0", "grads", "host", F32, 0, 64, None),
-        ("host_out16", "buffers", "host", BF16, 0, 64, None),
-        ("nvme_master", "master", "nvme", F32, 64, 1024, None),
-        ("nvme_grad0", "grads", "nvme", F32, 64, 1024, None),
-        ("nvme_out", "buffers", "host", BF16, 64, 1024, None),
+        ("host_master", "master", "host", F32, 0, 2048, None),
+        ("host_grad0", "grads", "host", F32, 0, 2048, None),
+        ("host_out16", "buffers", "host", BF16, 0, 2048, None),
+        ("nvme_master", "master", "nvme", F32, 2048, 5024, None),
+        ("nvme_grad0", "grads", "nvme", F32, 2048, 5024, None),
+        ("nvme_out", "buffers", "host", BF16, 2048, 5024, None),
     ]
-    assert layout.nvme_numel == 960 and layout.host_numel == 64
-    assert layout.bytes("nvme") == {"master": 960 * 4, "grads": 960 * 4}
+    assert layout.nvme_numel == 2976 and layout.host_numel == 2048
+    assert layout.bytes("nvme") == {"master": 2976 * 4, "grads": 2976 * 4}
 
 
 def test_bf16_master_on_every_tier() -> None:
     """bf16.bf16_master_weights_and_grads: the host, nvme and device parts' masters and gradients
     are bf16 records (2 bytes per element each), whatever tier; the 16-bit output stays the
-    compute dtype. Twin-Flow 0.5 over nvme, 2 ranks, 1000 elements: as the test above."""
-    placement = PlacementPolicy(ratio=0.5, nvme=True, ram_numel=64, master_dtype=BF16,
+    compute dtype. Twin-Flow 0.5 over nvme, 2 ranks, 10,000 elements: padded 10,048, shard
+    5,024; 2,496 offloaded, 2,048 of them (a sector) in RAM."""
+    placement = PlacementPolicy(ratio=0.5, nvme=True, ram_numel=2100, master_dtype=BF16,
                                 state_dtype=BF16)
-    layout = plan(1000, 2, 0, 2, placement, dtype=BF16, reduce=F32, ram_left=64)
-    assert parts(layout) == [("host", 0, 64), ("nvme", 64, 256), ("device", 256, 512)]
+    layout = plan(10_000, 2, 0, 2, placement, dtype=BF16, reduce=F32, ram_left=2100)
+    assert parts(layout) == [("host", 0, 2048), ("nvme", 2048, 2496), ("device", 2496, 5024)]
     assert [row for row in rows(layout) if row[0] not in ("weights",)] == [
-        ("master", "master", "device", BF16, 256, 512, None),
-        ("master_grad", "grads", "device", BF16, 256, 512, None),
-        ("host_master", "master", "host", BF16, 0, 64, None),
-        ("host_grad0", "grads", "host", BF16, 0, 64, None),
-        ("host_out16", "buffers", "host", BF16, 0, 64, None),
-        ("nvme_master", "master", "nvme", BF16, 64, 256, None),
-        ("nvme_grad0", "grads", "nvme", BF16, 64, 256, None),
-        ("nvme_out", "buffers", "host", BF16, 64, 256, None),
+        ("master", "master", "device", BF16, 2496, 5024, None),
+        ("master_grad", "grads", "device", BF16, 2496, 5024, None),
+        ("host_master", "master", "host", BF16, 0, 2048, None),
+        ("host_grad0", "grads", "host", BF16, 0, 2048, None),
+        ("host_out16", "buffers", "host", BF16, 0, 2048, None),
+        ("nvme_master", "master", "nvme", BF16, 2048, 2496, None),
+        ("nvme_grad0", "grads", "nvme", BF16, 2048, 2496, None),
+        ("nvme_out", "buffers", "host", BF16, 2048, 2496, None),
     ]
-    assert layout.bytes("nvme") == {"master": 192 * 2, "grads": 192 * 2}
-    assert layout.bytes("device")["master"] == 256 * 2
+    assert layout.bytes("nvme") == {"master": 448 * 2, "grads": 448 * 2}
+    assert layout.bytes("device")["master"] == 2528 * 2
 
 
 @pytest.mark.parametrize("ram_left,expected", [
     (0, [("nvme", 0, 1024), ("device", 1024, 1024)]),           # budget spent: all in files
     (1024, [("host", 0, 1024), ("device", 1024, 1024)]),        # fits exactly: no nvme part
     (5000, [("host", 0, 1024), ("device", 1024, 1024)]),
-    (1000, [("host", 0, 960), ("nvme", 960, 1024), ("device", 1024, 1024)]),  # 1000 -> 960
+    (1000, [("nvme", 0, 1024), ("device", 1024, 1024)]),        # less than a sector: none
 ])
 def test_the_host_budget_decides_the_nvme_split(ram_left, expected) -> None:
     placement = PlacementPolicy(ratio=1.0, nvme=True, ram_numel=10_000)
     assert parts(plan(1000, 1, 0, 3, placement, ram_left=ram_left)) == expected
 
 
+@pytest.mark.parametrize("held,split", [(False, 4096), (True, 4992)])
+def test_the_nvme_split_is_on_a_sector_where_the_gradient_goes_to_a_file(held, split) -> None:
+    """Gradient pieces land in the NVMe part's file at their offset in the part: the split on
+    a sector (2048 elements: 4096 bytes of bf16) keeps every bucket's piece on one; a gradient
+    held in RAM has no file, and the split is 64-aligned for the host kernels."""
+    placement = PlacementPolicy(ratio=1.0, nvme=True, ram_numel=10_000, nvme_grads_held=held)
+    layout = plan(8000, 1, 0, 3, placement, ram_left=5000)
+    assert parts(layout) == [("host", 0, split), ("nvme", split, 8000), ("device", 8000, 8000)]
+
+
 def test_nvme_with_twin_flow_and_delay() -> None:
-    # 2 ranks, 1000 elements: shard 512, rank 0; ratio 0.5 -> 256 offloaded, budget 64 of them.
-    placement = PlacementPolicy(ratio=0.5, nvme=True, delayed=True, ram_numel=64)
-    layout = plan(1000, 2, 0, 2, placement, ram_left=64)
-    assert parts(layout) == [("host", 0, 64), ("nvme", 64, 256), ("device", 256, 512)]
+    # 2 ranks, 10,000 elements: shard 5,024, rank 0; ratio 0.5 -> 2,496 offloaded, budget 2,048.
+    placement = PlacementPolicy(ratio=0.5, nvme=True, delayed=True, ram_numel=2100)
+    layout = plan(10_000, 2, 0, 2, placement, ram_left=2100)
+    assert parts(layout) == [("host", 0, 2048), ("nvme", 2048, 2496), ("device", 2496, 5024)]
     assert [r.name for r in layout.records if r.tier == "nvme"] == ["nvme_master", "nvme_grad0",
                                                                    "nvme_grad1"]
 

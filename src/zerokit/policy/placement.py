@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zerokit.io.buffers import SECTOR_ELEMENTS
 from zerokit.tier_names import TierName
 
 # Split points are multiples of this many elements, so the host part starts and ends on a
@@ -152,12 +153,21 @@ class PlacementPolicy:
 
     def ram_split(self, offloaded: int, ram_left: int) -> int:
         """With nvme: of a unit's `offloaded` elements, how many stay in host memory when
-        `ram_left` elements of the budget remain (64-aligned unless all of them fit)."""
+        `ram_left` elements of the budget remain (aligned unless all of them fit).
+
+        64-aligned for the host kernels; where gradients go to files, on a sector
+        (SECTOR_ELEMENTS): the unit's NVMe part then starts on one, so its gradient pieces,
+        cut by the reduction's buckets, land on sectors of its file ([Note: buckets on sectors]
+        in units/reduction.py); split elsewhere, that part's pieces go through bounce buffers.
+        At 1B with gradients in files the planner's max_in_cpu 3,746,432 (64-aligned) ran
+        20.5 s a step against 16.0 with max_in_cpu 0 in one invocation; split on a sector
+        (2,494,400) it ran 14.5 s against 15.3 (bench_infinity-1b-budget-grid-20261207.json)."""
         if not self.nvme:
             return offloaded
         if ram_left >= offloaded:
             return offloaded
-        return max(0, ram_left // SPLIT_ALIGN * SPLIT_ALIGN)
+        align = SPLIT_ALIGN if self.holds_nvme_gradients else SECTOR_ELEMENTS
+        return max(0, ram_left // align * align)
 
     def param_tier(self, shard_numel: int, param_ram_left: int) -> TierName:
         """The tier of a stage-3 weight shard of `shard_numel` elements when `param_ram_left`

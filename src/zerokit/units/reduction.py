@@ -41,9 +41,9 @@ def bucket_numel(reduce_bucket_size: int, world: int, placement: PlacementPolicy
     SECTOR_ELEMENTS columns, so with the optimizer on NVMe the size asked is rounded up to that:
     every piece then starts on a sector of its part's file in every dtype, whatever was asked
     (DeepSpeed's default, 500,000,000, and the usual 5e7 and 2e8 are not multiples: 5e7 fp32
-    elements end 512 bytes past a sector). Not where a unit's NVMe part starts
-    inside it (the one unit that offload_optimizer.max_in_cpu splits): its pieces stay where the
-    unit's buckets cut them. Rank-independent (the cuts must agree); the reduction is
+    elements end 512 bytes past a sector). The one unit that offload_optimizer.max_in_cpu
+    splits has its NVMe part start inside it: the split is on a sector there too
+    (PlacementPolicy.ram_split). Rank-independent (the cuts must agree); the reduction is
     elementwise, so where they fall changes no bit."""
     if not placement.nvme or placement.holds_nvme_gradients:
         return reduce_bucket_size
