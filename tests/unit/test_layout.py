@@ -248,6 +248,10 @@ def test_the_nvme_split_is_on_a_sector_where_the_gradient_goes_to_a_file(held, s
     """Gradient pieces land in the NVMe part's file at their offset in the part: the split on
     a sector (2048 elements: 4096 bytes of bf16) keeps every bucket's piece on one; a gradient
     held in RAM has no file, and the split is 64-aligned for the host kernels."""
+    from zerokit.io.buffers import SECTOR_ELEMENTS
+    from zerokit.policy import placement as placement_module
+
+    assert placement_module.SECTOR_ELEMENTS == SECTOR_ELEMENTS
     placement = PlacementPolicy(ratio=1.0, nvme=True, ram_numel=10_000, nvme_grads_held=held)
     layout = plan(8000, 1, 0, 3, placement, ram_left=5000)
     assert parts(layout) == [("host", 0, split), ("nvme", split, 8000), ("device", 8000, 8000)]

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from zerokit.io.buffers import SECTOR_ELEMENTS
 from zerokit.tier_names import TierName
 
 # Split points are multiples of this many elements, so the host part starts and ends on a
 # 64-element (256-byte fp32) boundary, the unit the host kernels split work between threads in.
 SPLIT_ALIGN = 64
+# A disk sector (4096 bytes) of the smallest element (2 bytes): io/buffers.py SECTOR_ELEMENTS,
+# restated here because policy sits beside io in the layering (tests/unit/test_layout.py checks).
+SECTOR_ELEMENTS = 2048
 
 
 @dataclass(frozen=True)
