@@ -6,6 +6,7 @@
     python benchmarks/bench_infinity.py --models 4b --rows zk-inf-8g                       # the largest
     python benchmarks/bench_infinity.py --models 125m --rows ds-inf,zk-inf,zk-inf-bf16,zk-inf-ds,zk-inf-ds-bf16
     python benchmarks/bench_infinity.py --models 7b --rows zk-inf-files-bf16 --steps 2   # 7B: bf16 files only
+    python benchmarks/bench_infinity.py --models 1b --rows zk-inf-half,hand-x --hand x=JSON --rounds 2
 
 The issue's setup (#16): GPT (nanoGPT shape, vocab 32000) at stage 3, parameters and optimizer
 state on NVMe, bf16, AdamW, seq 128, micro-batch 1, one rank, 2 intra-op threads. Each model is
@@ -155,6 +156,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default="ds-inf,zk-inf,zk-inf-ds,zk-inf-half", help=f"of {', '.join(ROWS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per row (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every row this many times, the rows' order reversed every other "
+                        "round (so no row always follows the same one); a row's s/step is the "
+                        "median of its rounds' medians, each round's in the 'rounds' column "
+                        "(default 1; the disk's pace moves 10-15%% between runs of the same keys)")
     p.add_argument("--clipping", type=float, default=1.0,
                    help="gradient_clipping on both sides (default 1.0, DeepSpeed's; 0: none)")
     p.add_argument("--sub-group", type=int, default=ZK_SUB_GROUP,
@@ -210,6 +216,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--clipping: {args.clipping} is negative; give 0 (none) or a positive norm")
     if args.accumulation < 1:
         p.error(f"--accumulation: {args.accumulation}; give 1 or more micro-steps per step")
+    if args.rounds < 1:
+        p.error(f"--rounds: {args.rounds}; give 1 or more")
     if args.settle_quiet_s < 0:
         p.error(f"--settle-quiet-s: {args.settle_quiet_s} is negative")
     if args.settle_max_s < 0:
@@ -703,6 +711,46 @@ def run_row(name: str, model: str, args, parent: Path, budget: float | None, dd:
     return res
 
 
+def merge_rounds(runs: list[dict]) -> dict:
+    """One row's result over --rounds runs: the last run's record with its s/step the median of
+    the runs' medians (min / max over all their steps), the per-step I/O and tokens/s from those,
+    peak RSS and disk the largest of any run; each run's median in "step_s_rounds". A run that
+    failed makes the row's result that run's (a row that fails once is not reported as good)."""
+    import statistics
+
+    bad = [r for r in runs if r["status"] != "ok"]
+    if bad:
+        return dict(bad[0], rounds_ok=len(runs) - len(bad), rounds=len(runs))
+    res = dict(runs[-1])
+    medians = [r["step_s"]["median"] for r in runs]
+    res["step_s"] = dict(res["step_s"], median=statistics.median(medians),
+                         min=min(r["step_s"]["min"] for r in runs), max=max(r["step_s"]["max"] for r in runs))
+    res["step_s_rounds"] = medians
+    for key in ("read_bytes_per_step", "write_bytes_per_step"):
+        res[key] = statistics.median(r[key] for r in runs)
+    for key in ("peak_rss_mb", "disk_peak_bytes"):
+        res[key] = max(r[key] for r in runs)
+    step = res["step_s"]["median"]
+    res["tokens_per_s"] = runs[-1]["tokens_per_s"] * runs[-1]["step_s"]["median"] / step
+    res["io_gb_s"] = (res["read_bytes_per_step"] + res["write_bytes_per_step"]) / step / 1e9
+    return res
+
+
+def round_order(rows: list[str], k: int) -> list[str]:
+    """Round k's order: --rows as given in even rounds, reversed in odd ones; ds-inf stays first
+    where it is first (the budgeted rows after it are sized by its RSS in round 0)."""
+    if k % 2 == 0:
+        return list(rows)
+    head = [r for r in rows[:1] if r == "ds-inf"]
+    return head + [r for r in reversed(rows) if r not in head]
+
+
+def _rounds_cell(r: dict) -> str:
+    """Each round's s/step, in run order ("" for a single round)."""
+    runs = r.get("step_s_rounds") or []
+    return "/".join(f"{m:.2f}" for m in runs) if len(runs) > 1 else ""
+
+
 def _median_of(per_step: list | None) -> dict | None:
     """Per key, the median over the timed steps of dicts (None where a step had none)."""
     if not per_step or any(d is None for d in per_step):
@@ -770,17 +818,18 @@ def _settle_note(s: dict | None) -> str | None:
 
 
 def report(results: list[dict]) -> str:
-    headers = ["model", "row", "s/step", "tokens/s", "vs DS", "peak RSS GiB", "disk GB", "read GB/step",
+    headers = ["model", "row", "s/step", "rounds", "tokens/s", "vs DS", "peak RSS GiB", "disk GB", "read GB/step",
                "write GB/step", "I/O GB/s", "busy disk GB/s", "disk idle s (no read/no write)", "redo",
                "note"]
     ds = {r["model"]: r for r in results if r["row"] == "ds-inf" and r["status"] == "ok"}
     rows = []
     for r in results:
         if r["status"] != "ok":
-            rows.append([r["model"], r["row"]] + [""] * 11 + [f"{r['status']}: {r.get('reason', '')}"[:100]])
+            rows.append([r["model"], r["row"]] + [""] * 12 + [f"{r['status']}: {r.get('reason', '')}"[:100]])
             continue
         peer = ds.get(r["model"])
-        rows.append([r["model"], r["row"], C.fmt_num(r["step_s"]["median"], ".2f"), C.fmt_num(r["tokens_per_s"], ".1f"),
+        rows.append([r["model"], r["row"], C.fmt_num(r["step_s"]["median"], ".2f"), _rounds_cell(r),
+                     C.fmt_num(r["tokens_per_s"], ".1f"),
                      C.fmt_num(C.ratio(r["tokens_per_s"], peer["tokens_per_s"]) if peer else None, ".2f", "x"),
                      C.fmt_num(r["peak_rss_mb"] / 1024, ".2f"), C.fmt_num(r["disk_peak_bytes"] / 1e9, ".1f"),
                      C.fmt_num(r["read_bytes_per_step"] / 1e9, ".2f"), C.fmt_num(r["write_bytes_per_step"] / 1e9, ".2f"),
@@ -869,23 +918,27 @@ def main(argv=None) -> int:
     results: list[dict] = []
     for model in models:
         ds_rss = args.ds_rss_gib
-        for name in rows:
-            budget = ROWS[name][1]
-            if budget == "weights":
-                budget = None
-            elif budget in ("ds", "half"):
-                budget = (ds_rss / (2 if budget == "half" else 1)) if ds_rss else None
-                if budget is None:
-                    results.append({"row": name, "model": model, "status": "skipped",
-                                    "reason": "no DeepSpeed RSS to budget by (run ds-inf first or --ds-rss-gib)"})
-                    continue
-            r = run_row(name, model, args, parent, budget, disk)
-            if name == "ds-inf" and r["status"] == "ok":
-                ds_rss = r["peak_rss_mb"] / 1024
-            results.append(r)
-            msg = (f"{r['step_s']['median']:.2f} s/step, peak RSS {r['peak_rss_mb'] / 1024:.2f} GiB"
-                   if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}")
-            print(f"  {model:5s} {name:12s} {msg}", flush=True)
+        runs: dict[str, list[dict]] = {name: [] for name in rows}
+        for k in range(args.rounds):
+            for name in round_order(rows, k):
+                budget = ROWS[name][1]
+                if budget == "weights":
+                    budget = None
+                elif budget in ("ds", "half"):
+                    budget = (ds_rss / (2 if budget == "half" else 1)) if ds_rss else None
+                    if budget is None:
+                        runs[name].append({"row": name, "model": model, "status": "skipped",
+                                           "reason": "no DeepSpeed RSS to budget by (run ds-inf first or --ds-rss-gib)"})
+                        continue
+                r = run_row(name, model, args, parent, budget, disk)
+                if name == "ds-inf" and r["status"] == "ok" and ds_rss is None:
+                    ds_rss = r["peak_rss_mb"] / 1024  # round 0's: every round's budgets are the same
+                runs[name].append(r)
+                msg = (f"{r['step_s']['median']:.2f} s/step, peak RSS {r['peak_rss_mb'] / 1024:.2f} GiB"
+                       if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}")
+                lap = f" (round {k + 1}/{args.rounds})" if args.rounds > 1 else ""
+                print(f"  {model:5s} {name:12s} {msg}{lap}", flush=True)
+        results += [merge_rounds(runs[name]) for name in rows]
     shutil.rmtree(parent, ignore_errors=True) if args.nvme_dir is None else None
     table = report(results)
     print()
@@ -902,6 +955,7 @@ def main(argv=None) -> int:
                                            "setup": {"vocab": VOCAB, "seq": SEQ, "micro_batch": MICRO,
                                                      "gradient_clipping": args.clipping,
                                                      "accumulation": args.accumulation,
+                                                     "rounds": args.rounds,
                                                      "models": {m: {"shape": MODELS[m], "params": n_params(m)} for m in models},
                                                      "worker_env": WORKER_ENV, "adamw": ADAMW},
                                            "disk": disk, "machine": machine, "rows": results, "table": table,

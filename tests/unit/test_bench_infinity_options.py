@@ -70,7 +70,8 @@ def test_budgeted_rows_pass_a_host_budget_and_nothing_else(row):
 @pytest.mark.parametrize("argv,word", [(["--clipping", "-1"], "--clipping"),
                                        (["--accumulation", "0"], "--accumulation"),
                                        (["--settle-quiet-s", "-1"], "--settle-quiet-s"),
-                                       (["--settle-max-s", "-5"], "--settle-max-s")])
+                                       (["--settle-max-s", "-5"], "--settle-max-s"),
+                                       (["--rounds", "0"], "--rounds")])
 def test_bad_values_are_refused_naming_the_option(argv, word, capsys):
     with pytest.raises(SystemExit):
         B.parse_args(argv)
@@ -268,3 +269,53 @@ def test_no_block_device_no_wait_and_the_note_says_so_once(tmp_path):
     if path is not None:
         written, in_flight = B.write_counters(path)
         assert written >= 0 and in_flight >= 0
+
+
+def _run(step: float, rss_mb: float, read: float = 1e9, status: str = "ok") -> dict:
+    return {"row": "zk-inf-8g", "model": "1b", "status": status, "reason": "exit 1",
+            "step_s": {"median": step, "min": step - 0.1, "max": step + 0.1},
+            "peak_rss_mb": rss_mb, "disk_peak_bytes": int(rss_mb), "read_bytes_per_step": read,
+            "write_bytes_per_step": 0.0, "tokens_per_s": 128 / step}
+
+
+def test_rounds_report_the_median_of_their_medians_and_the_largest_peak():
+    merged = B.merge_rounds([_run(11.0, 5000, 3e9), _run(14.0, 5200, 4e9), _run(10.0, 4900, 2e9)])
+    assert merged["step_s"]["median"] == 11.0 and merged["step_s_rounds"] == [11.0, 14.0, 10.0]
+    assert merged["step_s"]["min"] == pytest.approx(9.9) and merged["step_s"]["max"] == pytest.approx(14.1)
+    assert merged["peak_rss_mb"] == 5200 and merged["read_bytes_per_step"] == 3e9
+    assert merged["tokens_per_s"] == pytest.approx(128 / 11.0)
+    assert merged["io_gb_s"] == pytest.approx(3.0 / 11.0)
+    assert B._rounds_cell(merged) == "11.00/14.00/10.00"
+    assert B._rounds_cell(B.merge_rounds([_run(10.0, 5000)])) == ""
+    failed = B.merge_rounds([_run(10.0, 5000), _run(1.0, 0, status="error")])
+    assert failed["status"] == "error" and failed["rounds_ok"] == 1
+
+
+def test_odd_rounds_run_the_rows_reversed_with_deepspeed_first():
+    rows = ["ds-inf", "zk-inf-ds", "zk-inf-half", "hand-x"]
+    assert B.round_order(rows, 0) == rows and B.round_order(rows, 2) == rows
+    assert B.round_order(rows, 1) == ["ds-inf", "hand-x", "zk-inf-half", "zk-inf-ds"]
+    assert B.round_order(["zk-inf-4g", "hand-x"], 1) == ["hand-x", "zk-inf-4g"]
+
+
+def test_every_round_runs_every_row_and_the_table_has_one_line_per_row(monkeypatch, capsys, tmp_path):
+    order = []
+
+    def fake_row(name, model, args, parent, budget, dd):
+        order.append((name, budget))
+        step = {"hand-x": 2.0, "zk-inf-ds": 3.0}[name] + 0.5 * (len(order) > 2)
+        return dict(_run(step, 1000), row=name, model=model, budget_gib=budget, clipping=1.0,
+                    accumulation=1, label=name)
+
+    monkeypatch.setattr(B, "run_row", fake_row)
+    monkeypatch.setattr(B, "disk_bandwidth", lambda folder: {"write_gb_s": 1.0, "read_gb_s": 1.0})
+    out = tmp_path / "r.json"
+    rc = B.main(["--models", "1b", "--rows", "zk-inf-ds", "--hand", 'x={"aio": {}}', "--rounds", "2",
+                 "--ds-rss-gib", "6", "--nvme-dir", str(tmp_path / "swap"), "--out", str(out)])
+    assert rc == 0
+    assert order == [("zk-inf-ds", 6.0), ("hand-x", None), ("hand-x", None), ("zk-inf-ds", 6.0)]
+    import json
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"zk-inf-ds", "hand-x"}
+    assert rows["zk-inf-ds"]["step_s_rounds"] == [3.0, 3.5] and rows["zk-inf-ds"]["step_s"]["median"] == 3.25
+    assert "3.00/3.50" in capsys.readouterr().out

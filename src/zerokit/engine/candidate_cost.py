@@ -18,9 +18,11 @@ placement here:
    (engine/bandwidths.py): device-part elements / device Adam rate, host and nvme elements /
    host Adam rate, host copies (each host or nvme weight shard copied in 2 gathers per micro-
    step, none where the shard is the weights: [Note: one rank's shard is its weights]; each
-   offloaded element's gradient in and new weight out) / host copy rate, and disk time in
-   three phases: the weight files read per gather (forward and backward, the disk doing
-   nothing else) / the read rate; the gradient files once more each way per micro-step after
+   offloaded element's gradient in, and its new weight out unless the kernel writes it into a
+   host shard in place, `_written_in_place`: weights on a CPU device's device tier are the
+   same RAM, but their update goes to a 16-bit buffer first and is copied) / host copy rate,
+   and disk time in three phases: the weight files read per gather (forward and backward,
+   the disk doing nothing else) / the read rate; the gradient files once more each way per micro-step after
    the first where each micro-step reduces (the accumulation's read-add-write, in backward);
    the step's stream (the nvme parts' files read and written once, engine/nvme_plan.py, and the
    weight files written). The last two read and write at once through the I/O engine's queue:
@@ -28,7 +30,8 @@ placement here:
    and write rates where none was measured: injected rates). Forward and backward compute
    is the same for every candidate and left out; overlap with it is not modelled (the phases
    add up), so read-ahead counts show only in bytes: between candidates within 0.5% in
-   time the planner keeps fewer NVMe bytes, then the larger read-ahead, then fewer host bytes.
+   time the planner keeps fewer NVMe bytes, then the larger read-ahead, then less RAM (the
+   host check's need: on a CPU device that counts the device tier too).
 """
 from __future__ import annotations
 
@@ -89,8 +92,9 @@ def step_time(inputs: PlanInputs, placement: PlacementPolicy, layouts: list,
     shards = sum(lay.record("shard").nbytes for lay in layouts  # copied into a gathered buffer
                  if lay.has("shard") and lay.record("shard").tier is not TierName.DEVICE
                  and lay.gathers)
+    copied_out = off - sum(_written_in_place(lay) for lay in layouts)
     parts = {"device Adam": dev / bw.device_adam, "host Adam": off / bw.host_adam,
-             "host copies": (2 * m * shards + (master + elem) * off) / bw.host_copy}
+             "host copies": (2 * m * shards + master * off + elem * copied_out) / bw.host_copy}
     files = nvme_plan.nvme_need(layouts, inputs.kind, placement.state_dtype) if placement.nvme else 0
     again = gradient_refill_bytes(layouts)  # the accumulation's read-add-write
     w_read, w_write = nvme_plan.weight_traffic(layouts, m)
@@ -99,3 +103,13 @@ def step_time(inputs: PlanInputs, placement: PlacementPolicy, layouts: list,
         parts["disk: gradient files in backward"] = bw.disk_seconds(again, again)
         parts["disk: the step's stream"] = bw.disk_seconds(files, files + w_write)
     return parts
+
+
+def _written_in_place(lay) -> int:
+    """Offloaded elements of a unit whose new weights the kernel or the stream writes into the
+    weights' home itself (their 16-bit output, or the fp32 master, is a view of a host shard):
+    no copy after the step, where every other offloaded element's output is copied to its home."""
+    outs = [("host_out16" if lay.has("host_out16") else "host_master", TierName.HOST),
+            ("nvme_out", TierName.NVME)]
+    return sum(part.numel for part in lay.parts for name, tier in outs
+               if part.tier is tier and lay.has(name) and lay.aliases(name, "shard"))

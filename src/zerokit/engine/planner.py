@@ -464,8 +464,12 @@ def _whole_points(sizes: list[int], grid: tuple[float, ...], fits) -> tuple[list
 
 
 def _tie_key(p: Prediction) -> tuple:
+    """Among candidates tied in time: fewer NVMe bytes, more read-ahead, then less RAM: the host
+    check's need, which on a CPU device counts the device tier too (the same memory), so a
+    second 16-bit copy of the weights on the device tier is not free there."""
+    ram = p.checks["host"][0] if "host" in p.checks else p.tier(TierName.HOST)
     return (p.tier(TierName.NVME), -p.choice.param_buffer_count, -p.choice.opt_buffer_count,
-            p.tier(TierName.HOST), p.seconds)
+            ram, p.seconds)
 
 
 def choose(inputs: PlanInputs, bw: Bandwidths) -> Plan:
@@ -509,7 +513,7 @@ def _why(best: Prediction, pool: list, fitting: list, in_ram: list, considered: 
         nxt = others[0]
         if nxt.seconds <= best.seconds * (1 + TIE):
             why += (f"; tied in time with '{nxt.choice.describe(stage3)}', kept for fewer NVMe "
-                    f"bytes, then more read-ahead, then fewer host bytes")
+                    f"bytes, then more read-ahead, then less RAM")
         else:
             why += (f"; next: '{nxt.choice.describe(stage3)}' at {_secs(nxt.seconds)} "
                     f"(+{100 * (nxt.seconds / best.seconds - 1) if best.seconds else 0:.0f}%)")
