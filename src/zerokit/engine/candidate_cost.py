@@ -22,8 +22,9 @@ placement here:
    host shard in place, `_written_in_place`: weights on a CPU device's device tier are the
    same RAM, but their update goes to a 16-bit buffer first and is copied) / host copy rate,
    and disk time in three phases: the weight files read per gather (forward and backward,
-   the disk doing nothing else) / the read rate; the gradient files once more each way per micro-step after
-   the first where each micro-step reduces (the accumulation's read-add-write, in backward);
+   the disk doing nothing else) / the read rate; the gradient files once more each way per
+   micro-step after the first where each micro-step reduces (the accumulation's
+   read-add-write, in backward);
    the step's stream (the nvme parts' files read and written once, engine/nvme_plan.py, and the
    weight files written). The last two read and write at once through the I/O engine's queue:
    Bandwidths.disk_seconds, both at the measured mixed rate (one after the other at the read
