@@ -931,7 +931,7 @@ def main(argv=None) -> int:
                                            "reason": "no DeepSpeed RSS to budget by (run ds-inf first or --ds-rss-gib)"})
                         continue
                 r = run_row(name, model, args, parent, budget, disk)
-                if name == "ds-inf" and r["status"] == "ok" and ds_rss is None:
+                if name == "ds-inf" and r["status"] == "ok" and k == 0:
                     ds_rss = r["peak_rss_mb"] / 1024  # round 0's: every round's budgets are the same
                 runs[name].append(r)
                 msg = (f"{r['step_s']['median']:.2f} s/step, peak RSS {r['peak_rss_mb'] / 1024:.2f} GiB"

@@ -319,3 +319,18 @@ def test_every_round_runs_every_row_and_the_table_has_one_line_per_row(monkeypat
     assert set(rows) == {"zk-inf-ds", "hand-x"}
     assert rows["zk-inf-ds"]["step_s_rounds"] == [3.0, 3.5] and rows["zk-inf-ds"]["step_s"]["median"] == 3.25
     assert "3.00/3.50" in capsys.readouterr().out
+
+
+def test_round_0s_deepspeed_rss_sizes_every_rounds_budget(monkeypatch, tmp_path):
+    budgets, rss = [], iter([6144.0, 9216.0])  # DeepSpeed's RSS: 6 GiB in round 0, 9 in round 1
+
+    def fake_row(name, model, args, parent, budget, dd):
+        budgets.append((name, budget))
+        return dict(_run(2.0, next(rss) if name == "ds-inf" else 1000), row=name, model=model,
+                    budget_gib=budget, clipping=1.0, accumulation=1, label=name)
+
+    monkeypatch.setattr(B, "run_row", fake_row)
+    monkeypatch.setattr(B, "disk_bandwidth", lambda folder: {"write_gb_s": 1.0, "read_gb_s": 1.0})
+    B.main(["--models", "1b", "--rows", "ds-inf,zk-inf-half", "--rounds", "2", "--ds-rss-gib", "10",
+            "--nvme-dir", str(tmp_path / "swap"), "--out", str(tmp_path / "r.json")])
+    assert budgets == [("ds-inf", None), ("zk-inf-half", 3.0), ("ds-inf", None), ("zk-inf-half", 3.0)]
