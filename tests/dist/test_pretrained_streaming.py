@@ -69,9 +69,11 @@ def _settle() -> None:
 
 def _load_bound(model_bytes: int, largest: int, world: int) -> int:
     # The shards (model / world), one tensor in flight, and the stated allowance: zero.Init holds
-    # a module's weights twice while it shards them (one more largest tensor) + 1 MiB of Python
-    # objects and allocator slack.
-    return model_bytes // world + largest + (largest + MiB)
+    # a module's weights twice while it shards them (one more largest tensor) + 1.25 MiB of Python
+    # objects and allocator slack. (1 MiB until 2026-12-08: ranks peak at 7.3-7.8 MiB of that
+    # 7.8 MiB bound at 4 ranks, and one peaked a 4 KiB page over it in a full `make test`; a
+    # second largest tensor held, 1 MiB here, still crosses the 1.25 MiB.)
+    return model_bytes // world + largest + (largest + MiB + MiB // 4)
 
 
 def _saved(path: str) -> dict[str, torch.Tensor]:
