@@ -467,9 +467,8 @@ def _tie_key(p: Prediction) -> tuple:
     """Among candidates tied in time: fewer NVMe bytes, more read-ahead, then less RAM: the host
     check's need, which on a CPU device counts the device tier too (the same memory), so a
     second 16-bit copy of the weights on the device tier is not free there."""
-    ram = p.checks["host"][0] if "host" in p.checks else p.tier(TierName.HOST)
     return (p.tier(TierName.NVME), -p.choice.param_buffer_count, -p.choice.opt_buffer_count,
-            ram, p.seconds)
+            p.checks["host"][0], p.seconds)
 
 
 def choose(inputs: PlanInputs, bw: Bandwidths) -> Plan:
